@@ -1,0 +1,156 @@
+"""Packed token shards: their on-disk format and the stateful loader training reads them with.
+
+A shard is a webdataset tar whose samples each hold one `tokens.npy`: seq_len + 1 token ids
+(inputs and the targets shifted by one). `manifest.json` beside the shards lists every shard
+with its sample count and sha256.
+
+The loader defines one global sample order per epoch (a seeded permutation of shards, then of
+samples within each shard). Step s consumes global samples [s*G, (s+1)*G) with G the global
+batch size; data-parallel rank r takes its contiguous slice. Its state is the global position,
+so a resume continues at exactly the next unseen sample -- also with another dp degree.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import webdataset as wds
+
+from forgeline.model.fileio import sha256_file
+
+MANIFEST_NAME = "manifest.json"
+SAMPLE_FIELD = "tokens.npy"
+FORMAT_VERSION = "forgeline-shards/1"
+
+
+class DataError(RuntimeError):
+    """Missing, stale or corrupt data-stage output."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    path: Path
+    samples: int
+    sha256: str
+
+
+def read_manifest(data_dir: str | Path) -> dict:
+    path = Path(data_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise DataError(
+            f"{path} not found: run the data stage first (`forgeline stage data`), "
+            "or point data.out_dir at its output"
+        )
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT_VERSION:
+        raise DataError(
+            f"{path} has format {manifest.get('format')!r}, expected {FORMAT_VERSION!r}; "
+            "rerun the data stage"
+        )
+    return manifest
+
+
+def split_shards(data_dir: str | Path, manifest: dict, split: str) -> list[ShardInfo]:
+    return [
+        ShardInfo(Path(data_dir) / s["path"], s["samples"], s["sha256"])
+        for s in manifest["splits"][split]["shards"]
+    ]
+
+
+def verify_shard(shard: ShardInfo) -> None:
+    actual = sha256_file(shard.path)
+    if actual != shard.sha256:
+        raise DataError(
+            f"shard {shard.path} is corrupt: sha256 {actual} != {shard.sha256} in the manifest; "
+            "rerun the data stage (or `dvc checkout`)"
+        )
+
+
+def read_shard(shard: ShardInfo) -> np.ndarray:
+    """All samples of a shard as a (samples, seq_len + 1) array."""
+    dataset = wds.WebDataset(str(shard.path), shardshuffle=False, nodesplitter=None,
+                             workersplitter=None, empty_check=False)
+    rows = [np.load(io.BytesIO(sample[SAMPLE_FIELD])) for sample in dataset]
+    if len(rows) != shard.samples:
+        raise DataError(f"shard {shard.path} has {len(rows)} samples, manifest says {shard.samples}")
+    return np.stack(rows)
+
+
+class ShardedSampleLoader:
+    """Deterministic, resumable batches of packed samples for one data-parallel rank."""
+
+    def __init__(self, shards: list[ShardInfo], local_batch_size: int, dp_rank: int,
+                 dp_size: int, seed: int):
+        self.shards = shards
+        self.local_batch_size = local_batch_size
+        self.global_batch_size = local_batch_size * dp_size
+        self.dp_rank = dp_rank
+        self.seed = seed
+        total = sum(s.samples for s in shards)
+        if total < self.global_batch_size:
+            raise DataError(
+                f"{total} training samples cannot fill one global batch of "
+                f"{self.global_batch_size}; use a larger corpus or a smaller train.global_batch_size"
+            )
+        self.epoch = 0
+        self.position = 0  # global samples consumed in this epoch
+        self._order: tuple[np.ndarray, np.ndarray] | None = None  # (shard order, cumulative)
+        self._cache: dict[int, np.ndarray] = {}
+        self._verified: set[int] = set()  # shards whose sha256 was checked on first open
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Whole global batches only; the remainder of an epoch is dropped."""
+        total = sum(s.samples for s in self.shards)
+        return total - total % self.global_batch_size
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["seed"] != self.seed:
+            raise DataError(f"loader state was saved with seed {state['seed']}, now {self.seed}")
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = None
+        self._cache.clear()
+
+    def next_batch(self) -> torch.Tensor:
+        """The next (local_batch_size, seq_len + 1) int64 batch of this rank."""
+        if self.position + self.global_batch_size > self.samples_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order, self._cache = None, {}
+        start = self.position + self.dp_rank * self.local_batch_size
+        rows = [self._sample(start + i) for i in range(self.local_batch_size)]
+        self.position += self.global_batch_size
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def _epoch_order(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._order is None:
+            rng = np.random.default_rng([self.seed, self.epoch])
+            shard_order = rng.permutation(len(self.shards))
+            cumulative = np.cumsum([self.shards[i].samples for i in shard_order])
+            self._order = (shard_order, cumulative)
+        return self._order
+
+    def _sample(self, index: int) -> np.ndarray:
+        shard_order, cumulative = self._epoch_order()
+        slot = bisect.bisect_right(cumulative, index)
+        offset = index - (cumulative[slot - 1] if slot else 0)
+        shard_id = int(shard_order[slot])
+        if shard_id not in self._cache:
+            self._cache = {shard_id: self._shuffled_shard(shard_id)}  # keep one shard resident
+        return self._cache[shard_id][offset]
+
+    def _shuffled_shard(self, shard_id: int) -> np.ndarray:
+        if shard_id not in self._verified:
+            verify_shard(self.shards[shard_id])
+            self._verified.add(shard_id)
+        rows = read_shard(self.shards[shard_id])
+        rng = np.random.default_rng([self.seed, self.epoch, shard_id])
+        return rows[rng.permutation(len(rows))]

@@ -1,0 +1,188 @@
+"""Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
+
+Architecture only. Parallelism is applied from outside (model/parallelize.py). The model is
+meant to be built on the meta device, parallelized, then materialized with `to_empty()` and
+initialized with `init_weights()`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 688
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 512
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def num_params(self) -> int:
+        """Parameter count, without building the model."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        attention = self.dim * (self.dim + 2 * kv_dim) + self.dim * self.dim
+        ffn = 3 * self.dim * self.ffn_dim
+        block = attention + ffn + 2 * self.dim
+        return 2 * self.vocab_size * self.dim + self.n_layers * block + self.dim
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward): 6 * matmul params + attention."""
+        matmul_params = self.num_params() - self.vocab_size * self.dim - (2 * self.n_layers + 1) * self.dim
+        attention = 12 * self.n_layers * self.dim * seq_len
+        return 6 * matmul_params + attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """(max_seq_len, head_dim // 2, 2) table of cos and sin for rotary embeddings."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device).float(), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of x (B, T, H, D) by position-dependent angles."""
+    pairs = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
+    cos, sin = rope[: x.size(1), None, :, 0], rope[: x.size(1), None, :, 1]  # (T, 1, D/2)
+    real = pairs[..., 0] * cos - pairs[..., 1] * sin
+    imag = pairs[..., 0] * sin + pairs[..., 1] * cos
+    return torch.stack([real, imag], dim=-1).flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 instead of the head counts: under tensor parallelism each rank holds a slice.
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
+        nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for linear in (self.w1, self.w3):
+            nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
+        nn.init.trunc_normal_(self.w2.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(std, out_std)
+        self.feed_forward.init_weights(std, out_std)
+
+
+class Transformer(nn.Module):
+    """tokens (B, T) -> logits (B, T, vocab_size)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A dict keyed by layer index, so pipeline stages can drop layers and keep the FQNs
+        # that checkpoints are keyed by.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer(
+            "rope", rope_cache(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)  # (B, T, C)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))  # (B, T, V)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Fill the (non-persistent) buffers; call after `to_empty()`."""
+        self.rope.copy_(rope_cache(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialize every parameter and buffer in place; call after `to_empty()`."""
+        self.init_buffers()
+        nn.init.normal_(self.tok_embeddings.weight, std=1.0)
+        std = 0.02
+        # Residual-branch outputs scaled down with depth (GPT-2 / OLMo style).
+        out_std = std / math.sqrt(2 * self.args.n_layers)
+        for layer in self.layers.values():
+            layer.init_weights(std, out_std)
+        self.norm.reset_parameters()
+        final_std = self.args.dim**-0.5
+        nn.init.trunc_normal_(self.output.weight, std=final_std, a=-3 * final_std, b=3 * final_std)

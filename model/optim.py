@@ -1,0 +1,39 @@
+"""AdamW and the warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from forgeline.configs.schema import TrainConfig
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """Matrices and embeddings decay; norm gains (1-D) do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """LR multiplier for the update of `step` (1-based): linear warmup from 1/warmup to 1,
+    then cosine decay to `min_ratio` at `total_steps`."""
+    if step <= warmup_steps:
+        return step / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> LambdaLR:
+    # LambdaLR evaluates the lambda at its internal epoch, which starts at 0 and is advanced
+    # after each optimizer step; +1 makes epoch e the LR of update e + 1.
+    return LambdaLR(
+        optimizer,
+        lambda epoch: warmup_cosine(epoch + 1, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio),
+    )
