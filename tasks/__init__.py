@@ -1,0 +1,6 @@
+"""Stage logic: plain functions per stage (data, train, evaluate, register), callable without
+Prefect, and their thin Prefect task wrappers (prefect_tasks.py)."""
+
+from forgeline.tasks.runtime import apply_env_defaults
+
+apply_env_defaults()
