@@ -1,0 +1,79 @@
+"""Run a command in its own process group, stream its output to a logger, and kill the whole
+group when it times out or the caller is interrupted (Ctrl-C, Prefect cancellation)."""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+
+class LaunchError(RuntimeError):
+    """The launched job failed or timed out; the message carries the tail of its output."""
+
+
+def run_streaming(cmd: Sequence[str], env: Mapping[str, str], timeout_s: float,
+                  logger: logging.Logger, grace_s: float = 10.0) -> None:
+    logger.info("launching: %s", " ".join(cmd))
+    proc = subprocess.Popen(
+        list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, bufsize=1, start_new_session=True,
+    )
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    # The reader runs in the caller's context, so Prefect's log handler knows the task run.
+    context = contextvars.copy_context()
+    reader = threading.Thread(target=context.run, args=(_pump, proc, logger, tail), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                _kill_group(proc, grace_s)
+                raise LaunchError(f"{cmd[0]} timed out after {timeout_s:.0f}s; process group killed"
+                                  + _format_tail(tail))
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:  # interrupted or cancelled while the job still runs
+            logger.warning("stopping the launched job (process group %d)", proc.pid)
+            _kill_group(proc, grace_s)
+        reader.join(timeout=5)
+    if proc.returncode != 0:
+        raise LaunchError(f"{' '.join(cmd[:3])} ... exited with code {proc.returncode}"
+                          + _format_tail(tail))
+
+
+def _pump(proc: subprocess.Popen, logger: logging.Logger, tail: collections.deque) -> None:
+    for line in proc.stdout:
+        line = line.rstrip()
+        if line:
+            tail.append(line)
+            logger.info("%s", line)
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the group, give it `grace_s` to exit, then SIGKILL whatever is left of it
+    (torchrun's workers included, even when torchrun itself is already gone)."""
+    _signal_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _format_tail(tail: collections.deque) -> str:
+    return ("\n--- last output ---\n" + "\n".join(tail)) if tail else ""

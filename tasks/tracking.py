@@ -1,0 +1,151 @@
+"""MLflow runs of a pipeline: one parent run per pipeline run, one nested run per stage.
+
+Everything goes through `MlflowClient` with explicit run ids (not the fluent API's global
+active-run stack), so stages can run in Prefect's worker threads and in torchrun children.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dvc_data.hashfile.build import build
+from dvc_data.hashfile.db import HashFileDB
+from dvc_objects.fs.local import LocalFileSystem
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
+
+from forgeline.configs import Config
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+MAX_PARAMS_PER_BATCH = 100
+
+
+def resolve_tracking_uri(cfg: Config) -> str:
+    """Config, else $MLFLOW_TRACKING_URI, else the local sqlite store; relative sqlite and
+    file paths are made absolute so child processes in other directories agree."""
+    uri = cfg.registry.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + str(Path(uri.removeprefix("sqlite:///")).resolve())
+    if "://" not in uri:
+        return Path(uri).resolve().as_uri()
+    return uri
+
+
+def resolve_artifact_location(location: str) -> str:
+    return location if "://" in location else Path(location).resolve().as_uri()
+
+
+def git_info(cwd: str | Path = ".") -> dict[str, str]:
+    """Commit and dirty flag of the working tree, or 'unknown' outside a git checkout."""
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return {"git.commit": "unknown", "git.dirty": "unknown"}
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"git.commit": commit, "git.dirty": str(bool(status)).lower()}
+
+
+@dataclass
+class RunTracker:
+    """One MLflow run, addressed by id."""
+
+    client: MlflowClient
+    run_id: str
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if not metrics:
+            return
+        now = _now_ms()
+        self.client.log_batch(self.run_id, metrics=[
+            Metric(key, float(value), now, step or 0) for key, value in metrics.items()
+        ])
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        items = [Param(k, str(v)) for k, v in params.items()]
+        for start in range(0, len(items), MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=items[start:start + MAX_PARAMS_PER_BATCH])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        if tags:
+            self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        else:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_dict(self, payload: dict, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, json.dumps(payload, indent=2, sort_keys=True), artifact_file)
+
+
+def experiment_id(client: MlflowClient, cfg: Config) -> str:
+    name = cfg.registry.experiment
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(
+            name, artifact_location=resolve_artifact_location(cfg.registry.artifact_location)
+        )
+    except MlflowException:  # created concurrently by another process
+        return client.get_experiment_by_name(name).experiment_id
+
+
+@contextmanager
+def tracked_run(cfg: Config, name: str, parent_run_id: str | None = None,
+                tags: dict[str, str] | None = None) -> Iterator[RunTracker]:
+    """An MLflow run for the block: nested under `parent_run_id` if given, else a top-level
+    run that carries the flattened config and git lineage itself. Marked FINISHED, or FAILED
+    if the block raises."""
+    client = MlflowClient(tracking_uri=resolve_tracking_uri(cfg))
+    run_tags = {MLFLOW_RUN_NAME: name, **(tags or {})}
+    if parent_run_id:
+        run_tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
+    run = client.create_run(experiment_id(client, cfg), tags=run_tags, run_name=name)
+    tracker = RunTracker(client, run.info.run_id)
+    if not parent_run_id:
+        tracker.log_params(cfg.flat())
+        tracker.set_tags(git_info())
+    log.info("MLflow run %s (%s) in %s", tracker.run_id, name, client.tracking_uri)
+    try:
+        yield tracker
+    except BaseException:
+        client.set_terminated(tracker.run_id, RunStatus.to_string(RunStatus.FAILED))
+        raise
+    client.set_terminated(tracker.run_id, RunStatus.to_string(RunStatus.FINISHED))
+
+
+def dvc_hash(path: str | Path) -> str:
+    """The md5 DVC records for `path` in dvc.lock (a `.dir` hash for directories), computed
+    without touching the DVC cache, so runs outside `dvc repro` carry the same data version."""
+    fs = LocalFileSystem()
+    with tempfile.TemporaryDirectory() as scratch:
+        _, _, obj = build(HashFileDB(fs, scratch), str(Path(path).resolve()), fs, "md5",
+                          dry_run=True)
+    return obj.hash_info.value
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
