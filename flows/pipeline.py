@@ -1,0 +1,35 @@
+"""The pipeline flow: data -> train -> eval -> register, under one MLflow parent run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from forgeline.configs import load_config
+from forgeline.tasks.prefect_tasks import data_task, eval_task, register_task, train_task
+from forgeline.tasks.tracking import tracked_run
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    run_id: str
+    model_name: str
+    model_version: str
+    metrics: dict[str, float]
+
+
+@flow(name="forgeline-pipeline")
+def pipeline_flow(config: str | None = None, overrides: list[str] | None = None) -> PipelineResult:
+    """Corpus to a registered, evaluated model. `config`: a YAML path or shipped name
+    (default tiny.yaml); `overrides`: `section.key=value` strings."""
+    cfg = load_config(config, overrides or [])
+    prefect_tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_name": flow_run.name}
+    with tracked_run(cfg, f"pipeline-{flow_run.name}", tags=prefect_tags) as parent:
+        data_task(cfg, parent.run_id)
+        train_task(cfg, parent.run_id)
+        evaluation = eval_task(cfg, parent.run_id)
+        registered = register_task(cfg, parent.run_id)
+    return PipelineResult(run_id=parent.run_id, model_name=registered.model_name,
+                          model_version=registered.version, metrics=evaluation.metrics)

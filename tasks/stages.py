@@ -1,0 +1,95 @@
+"""The four stages as tracked runs: each runs its plain stage function inside an MLflow run
+(nested under the pipeline's parent run when there is one) and records its results there.
+Plain Python -- the Prefect tasks in prefect_tasks.py only wrap these."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from forgeline.configs import Config
+from forgeline.model.data import MANIFEST_NAME
+from forgeline.tasks.data import DataResult, build_dataset
+from forgeline.tasks.evaluate import EvalResult, evaluate_model, read_eval_metrics
+from forgeline.tasks.register import RegisterResult, register_model
+from forgeline.tasks.tracking import RunTracker, dvc_hash, resolve_tracking_uri, tracked_run
+from forgeline.tasks.train import TrainResult, read_train_summary, train_model
+
+DATA_VERSION_TAG = "forgeline.data.dvc_md5"
+
+
+def _on_parent(cfg: Config, parent_run_id: str | None) -> RunTracker | None:
+    if parent_run_id is None:
+        return None
+    return RunTracker(MlflowClient(resolve_tracking_uri(cfg)), parent_run_id)
+
+
+def run_data_stage(cfg: Config, parent_run_id: str | None = None) -> DataResult:
+    with tracked_run(cfg, "data", parent_run_id) as run:
+        result = build_dataset(cfg)
+        metrics = {"documents": result.documents, "train_tokens": result.train_tokens,
+                   "train_samples": result.train_samples, "val_samples": result.val_samples}
+        lineage = {DATA_VERSION_TAG: dvc_hash(result.out_dir),
+                   "forgeline.data.manifest_sha256": result.manifest_sha256}
+        run.log_metrics(metrics)
+        run.set_tags(lineage)
+        run.log_artifact(Path(result.out_dir) / MANIFEST_NAME, "data")
+        run.log_artifact(Path(result.out_dir) / "tokenizer", "data/tokenizer")
+        if parent := _on_parent(cfg, parent_run_id):
+            parent.set_tags(lineage)
+            parent.log_metrics({f"data/{k}": v for k, v in metrics.items()})
+    return result
+
+
+def run_train_stage(cfg: Config, parent_run_id: str | None = None) -> TrainResult:
+    with tracked_run(cfg, "train", parent_run_id) as run:
+        run.log_params({k: v for k, v in cfg.flat().items()
+                        if k.split(".")[0] in ("model", "parallel", "train", "checkpoint")})
+        result = train_model(cfg, mlflow_run_id=run.run_id)
+        summary = {"final_loss": result.loss, "tokens_seen": result.tokens_seen}
+        run.log_metrics(summary, step=result.step)
+        run.set_tags({"forgeline.checkpoint": str(Path(result.checkpoint).resolve())})
+        run.log_artifact(Path(result.out_dir) / "config.yaml")
+        if parent := _on_parent(cfg, parent_run_id):
+            parent.log_metrics({f"train/{k}": v for k, v in summary.items()}, step=result.step)
+            parent.set_tags({"forgeline.checkpoint": str(Path(result.checkpoint).resolve()),
+                             "forgeline.train_run_id": run.run_id})
+    return result
+
+
+def run_eval_stage(cfg: Config, parent_run_id: str | None = None) -> EvalResult:
+    with tracked_run(cfg, "eval", parent_run_id) as run:
+        run.log_params({k: v for k, v in cfg.flat().items() if k.startswith("eval.")})
+        result = evaluate_model(cfg)
+        run.log_metrics(result.metrics)
+        run.log_artifact(Path(result.out_dir) / "lm_eval_results.json", "eval")
+        if parent := _on_parent(cfg, parent_run_id):
+            parent.log_metrics({f"eval/{k}": v for k, v in result.metrics.items()})
+    return result
+
+
+def run_register_stage(cfg: Config, parent_run_id: str | None = None) -> RegisterResult:
+    train = read_train_summary(cfg)
+    scores = read_eval_metrics(cfg)
+    data_version = dvc_hash(cfg.data.out_dir)
+    with tracked_run(cfg, "register", parent_run_id) as run:
+        version_tags = {DATA_VERSION_TAG: data_version, "forgeline.checkpoint_step": str(train.step),
+                        **{f"eval.{k}": f"{v:.6g}" for k, v in scores.items()}}
+        if parent_run_id:
+            version_tags["forgeline.pipeline_run_id"] = parent_run_id
+        result = register_model(cfg, run, train.checkpoint,
+                                str(Path(cfg.data.out_dir) / "tokenizer"), version_tags)
+        run.set_tags({"forgeline.model_version": result.version})
+        if parent := _on_parent(cfg, parent_run_id):
+            parent.set_tags({"forgeline.model_name": result.model_name,
+                             "forgeline.model_version": result.version})
+    return result
+
+
+STAGES = {
+    "data": run_data_stage,
+    "train": run_train_stage,
+    "eval": run_eval_stage,
+    "register": run_register_stage,
+}
