@@ -266,8 +266,9 @@ class Config(Section):
         return self
 
     def section_hash(self, *sections: str) -> str:
-        """Stable sha256 of the named sections (all when none are named)."""
-        dump = self.model_dump(mode="json")
+        """Stable sha256 of what the named sections (all when none are named) compute; where
+        outputs go (`out_dir`) is not part of it."""
+        dump = self.model_dump(mode="json", exclude={name: {"out_dir"} for name in type(self).model_fields})
         picked = {name: dump[name] for name in (sections or dump)}
         return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
+from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from forgeline.configs.schema import TrainConfig
@@ -37,3 +40,30 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> La
         optimizer,
         lambda epoch: warmup_cosine(epoch + 1, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio),
     )
+
+
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip gradients in place to a global L2 norm of `max_norm` (0: only measure); returns
+    the norm before clipping.
+
+    Unlike torch.nn.utils.clip_grad_norm_, this accepts a mix of plain tensors and DTensors on
+    different meshes -- what tensor parallelism (replicated embeddings beside sharded
+    linears) and FSDP x TP (1-D and 2-D meshes) produce: the norm is taken per group and the
+    groups are combined.
+    """
+    groups: dict[object, list[nn.Parameter]] = defaultdict(list)
+    for param in parameters:
+        if param.grad is not None:
+            mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            groups[mesh].append(param)
+    squares = []
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float().square())
+    total = torch.stack(squares).sum().sqrt()
+    if max_norm > 0:
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

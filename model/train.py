@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 from forgeline.configs import Config, load_config
 from forgeline.configs.schema import resume_fingerprint
@@ -29,7 +27,7 @@ from forgeline.model.data import MANIFEST_NAME, ShardedSampleLoader, read_manife
 from forgeline.model.fileio import sha256_file
 from forgeline.model.llama import ModelArgs, Transformer
 from forgeline.model.metrics import MetricsLogger
-from forgeline.model.optim import build_lr_scheduler, build_optimizer
+from forgeline.model.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from forgeline.model.parallel import ParallelDims, init_distributed
 from forgeline.model.parallelize import parallelize
 
@@ -66,11 +64,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     logits = model(inputs)  # (B, T, V)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
     loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        model.parameters(), grad_clip if grad_clip > 0 else math.inf
-    )
-    if isinstance(grad_norm, DTensor):
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach(), grad_norm.item()

@@ -39,14 +39,12 @@ class ForgelineGenerator(mlflow.pyfunc.PythonModel):
         self.model = load_bundle(context.artifacts["bundle"])
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(context.artifacts["tokenizer"])
 
-    # No type hints on predict: MLflow would try to derive a schema from them; the explicit
-    # SIGNATURE below is the contract.
+    # No type hints on predict: MLflow would derive a schema from them; SIGNATURE below is the
+    # contract (a DataFrame with a `prompt` column, params max_new_tokens and temperature).
     def predict(self, context, model_input, params=None):
-        prompts = (model_input["prompt"].tolist() if isinstance(model_input, pd.DataFrame)
-                   else list(model_input))
         params = params or {}
         outputs = []
-        for prompt in prompts:
+        for prompt in model_input["prompt"]:
             ids = self.tokenizer.encode(prompt, add_special_tokens=False) or [self.tokenizer.eos_token_id]
             new = generate(self.model, ids, max_new_tokens=int(params.get("max_new_tokens", 64)),
                            temperature=float(params.get("temperature", 0.0)),

@@ -1,0 +1,38 @@
+"""Shared fixtures: every test runs on the debug config (configs/debug.yaml) with all outputs
+redirected into a temporary directory, against a real local MLflow store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import forgeline.tasks  # noqa: F401  (applies forgeline's offline/telemetry env defaults first)
+from forgeline.configs import Config, load_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def output_overrides(root: Path) -> list[str]:
+    return [
+        f"data.out_dir={root / 'data'}",
+        f"train.out_dir={root / 'train'}",
+        f"eval.out_dir={root / 'eval'}",
+        f"registry.out_dir={root / 'register'}",
+        f"registry.tracking_uri=sqlite:///{root / 'mlflow.db'}",
+        f"registry.artifact_location={root / 'mlartifacts'}",
+    ]
+
+
+def debug_config(root: Path, *overrides: str) -> Config:
+    return load_config("debug.yaml", output_overrides(root) + list(overrides))
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The debug data stage, built once per session (read-only for tests)."""
+    from forgeline.tasks.data import build_dataset
+
+    root = tmp_path_factory.mktemp("shared")
+    build_dataset(debug_config(root))
+    return root

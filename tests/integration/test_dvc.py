@@ -1,0 +1,80 @@
+"""`dvc repro` of dvc.yaml in a fresh copy of this repository, on the debug sizes: every stage
+runs once, `dvc status` is then clean, and a change that touches only eval reruns eval (and
+register only when the scores moved)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from tests.conftest import REPO_ROOT
+from tests.integration.helpers import VENV_BIN, run
+
+pytestmark = [pytest.mark.integration, pytest.mark.e2e]
+
+DVC = str(VENV_BIN / "dvc")
+
+
+def fresh_repo(dest: Path) -> Path:
+    """The repository's files (committed or not, minus ignored ones) in a new git repo, with
+    configs/tiny.yaml -- which dvc.yaml runs -- shrunk to the debug sizes."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in listed:
+        if (REPO_ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO_ROOT / name, dest / name)
+    debug = yaml.safe_load((dest / "configs" / "debug.yaml").read_text())
+    (dest / "configs" / "tiny.yaml").write_text(yaml.safe_dump(debug, sort_keys=False))
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "fresh"]):
+        subprocess.run(cmd, cwd=dest, check=True)
+    return dest
+
+
+def stages_run(repro_output: str) -> list[str]:
+    return [line.split("'")[1] for line in repro_output.splitlines() if line.startswith("Running stage")]
+
+
+def set_eval(repo: Path, **values: object) -> None:
+    path = repo / "configs" / "tiny.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    cfg["eval"].update(values)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def test_dvc_repro_runs_the_pipeline_and_reruns_only_what_changed(tmp_path: Path) -> None:
+    repo = fresh_repo(tmp_path)
+    first = run([DVC, "repro"], repo)
+    assert stages_run(first.stdout) == ["data", "train", "eval", "register"]
+    assert "up to date" in run([DVC, "status"], repo).stdout
+
+    # The data version MLflow recorded is the hash dvc.lock holds for the data stage's output.
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    [data_out] = lock["stages"]["data"]["outs"]
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    [data_run] = client.search_runs([client.get_experiment_by_name("forgeline-debug").experiment_id],
+                                    filter_string="attributes.run_name = 'data'")
+    assert data_run.data.tags["forgeline.data.dvc_md5"] == data_out["md5"]
+    metrics = json.loads((repo / "artifacts" / "eval" / "metrics.json").read_text())
+    shown = run([DVC, "metrics", "show", "--json"], repo).stdout
+    assert str(round(metrics["forgeline_arc_easy/acc"], 3))[:3] in shown
+
+    # A change to the eval code that leaves the scores as they were: only eval reruns.
+    with open(repo / "eval" / "lm.py", "a") as f:
+        f.write("\n# touched by the test\n")
+    second = run([DVC, "repro"], repo)
+    assert stages_run(second.stdout) == ["eval"]
+    assert "Stage 'data' didn't change" in second.stdout and "Stage 'train' didn't change" in second.stdout
+
+    # More items change the scores: eval reruns and register records the new scores.
+    set_eval(repo, limit=12)
+    third = run([DVC, "repro"], repo)
+    assert stages_run(third.stdout) == ["eval", "register"]
+    assert "up to date" in run([DVC, "status"], repo).stdout

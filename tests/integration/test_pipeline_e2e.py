@@ -1,0 +1,75 @@
+"""The whole pipeline on the debug config through `forgeline run`: a real Prefect temporary
+API, torchrun, lm-eval and an MLflow sqlite store, checked the way a user would check them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+
+from forgeline.model.data import read_manifest, split_shards
+from forgeline.model.fileio import sha256_file
+from forgeline.tasks.tracking import dvc_hash
+from tests.integration.helpers import VENV_BIN, prefect_flow_runs, run
+
+pytestmark = [pytest.mark.integration, pytest.mark.e2e]
+
+
+def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path: Path) -> None:
+    done = run([str(VENV_BIN / "forgeline"), "run", "--config", "debug.yaml"], tmp_path)
+    run_id = re.search(r"MLflow run: (\w+)", done.stdout).group(1)
+    assert "Registered model: forgeline-debug version 1" in done.stdout
+
+    # Data: shards and manifest, every checksum verifying.
+    data_dir = tmp_path / "artifacts" / "data"
+    manifest = read_manifest(data_dir)
+    for split in ("train", "val"):
+        for shard in split_shards(data_dir, manifest, split):
+            assert sha256_file(shard.path) == shard.sha256
+
+    # MLflow: a parent run with the config and lineage, and one nested run per stage.
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = client.get_run(run_id)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["model.dim"] == "64" and parent.data.params["train.steps"] == "20"
+    assert parent.data.tags["forgeline.data.dvc_md5"] == dvc_hash(data_dir)
+    assert parent.data.tags["git.commit"]
+    assert parent.data.tags["prefect.flow_run_id"]
+    assert parent.data.metrics["train/final_loss"] > 0
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
+    by_name = {c.info.run_name: c for c in children}
+    assert set(by_name) == {"data", "train", "eval", "register"}
+    assert all(c.info.status == "FINISHED" for c in children)
+    assert [m.step for m in client.get_metric_history(by_name["train"].info.run_id, "loss")] == \
+        list(range(1, 21))
+    eval_metrics = by_name["eval"].data.metrics
+    assert 0 <= eval_metrics["forgeline_arc_easy/acc"] <= 1
+    assert eval_metrics["forgeline_heldout/bits_per_byte"] > 0
+    assert by_name["data"].data.metrics["train_samples"] == manifest["splits"]["train"]["samples"]
+
+    # Registry: version 1 with lineage and scores, alias `candidate`, and it generates text.
+    version = client.get_model_version("forgeline-debug", "1")
+    assert version.tags["forgeline.data.dvc_md5"] == dvc_hash(data_dir)
+    assert float(version.tags["eval.forgeline_arc_easy/acc"]) == pytest.approx(
+        eval_metrics["forgeline_arc_easy/acc"], abs=1e-5)
+    assert str(client.get_model_version_by_alias("forgeline-debug", "candidate").version) == "1"
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    generator = mlflow.pyfunc.load_model("models:/forgeline-debug/1")
+    [text] = generator.predict(pd.DataFrame({"prompt": ["ROMEO:"]}), params={"max_new_tokens": 8})
+    assert isinstance(text, str) and text
+
+    # Eval and register outputs on disk.
+    assert (tmp_path / "artifacts" / "eval" / "metrics.json").is_file()
+    assert (tmp_path / "artifacts" / "eval" / "lm_eval_results.json").is_file()
+    assert (tmp_path / "artifacts" / "register" / "registered.json").is_file()
+
+    # Prefect: the pipeline flow run completed with its four stage tasks.
+    [flow_run] = prefect_flow_runs(tmp_path)
+    assert flow_run["id"] == parent.data.tags["prefect.flow_run_id"]
+    assert flow_run["flow"] == "forgeline-pipeline" and flow_run["state"] == "COMPLETED"
+    assert flow_run["tasks"] == sorted([name, "COMPLETED"] for name in ("data", "train", "eval", "register"))

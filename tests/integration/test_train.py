@@ -1,0 +1,89 @@
+"""The train stage with real torchrun processes on the debug model."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from forgeline.configs import Config
+from forgeline.model.checkpoint import committed_checkpoints
+from forgeline.model.inference import load_from_checkpoint
+from forgeline.tasks.stages import run_train_stage
+from forgeline.tasks.tracking import resolve_tracking_uri
+from forgeline.tasks.train import train_model
+from tests.conftest import debug_config
+
+pytestmark = pytest.mark.integration
+
+
+def config(data_root: Path, tmp_path: Path, *overrides: str) -> Config:
+    """Debug config reading the session's shared data, writing everything else to tmp_path."""
+    return debug_config(tmp_path, f"data.out_dir={data_root / 'data'}", *overrides)
+
+
+def test_train_stage_commits_checkpoints_and_logs_every_step(data_root: Path, tmp_path: Path) -> None:
+    cfg = config(data_root, tmp_path)
+    result = run_train_stage(cfg)
+    assert result.step == 20 and Path(result.checkpoint).name == "step-00000020"
+    assert [c.step for c in committed_checkpoints(tmp_path / "train" / "checkpoints")] == [20, 10]
+    client = MlflowClient(resolve_tracking_uri(cfg))
+    [run] = client.search_runs([client.get_experiment_by_name("forgeline-debug").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["train.steps"] == "20"
+    losses = client.get_metric_history(run.info.run_id, "loss")
+    assert [m.step for m in losses] == list(range(1, 21))
+    assert losses[-1].value < losses[0].value
+    for key in ("lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s"):
+        assert len(client.get_metric_history(run.info.run_id, key)) == 20
+
+
+def test_rerun_resumes_and_a_new_recipe_starts_fresh(data_root: Path, tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    first = train_model(config(data_root, tmp_path))
+    again = train_model(config(data_root, tmp_path))
+    assert "resumed from" in caplog.text and "step 20" in caplog.text
+    assert again == first  # nothing left to train: the same committed checkpoint
+    caplog.clear()
+    changed = train_model(config(data_root, tmp_path, "train.lr=1e-3"))
+    assert "written for another model/training/data configuration" in caplog.text
+    assert "resumed from" not in caplog.text
+    assert changed.loss != first.loss
+
+
+def test_killed_rank_is_restarted_and_resumes_from_the_latest_checkpoint(
+        data_root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    cfg = config(data_root, tmp_path, "train.steps=400", "checkpoint.every_steps=50",
+                 "train.max_restarts=1")
+    outcome: dict = {}
+    trainer = threading.Thread(target=lambda: outcome.setdefault("result", train_model(cfg)))
+    trainer.start()
+    first_checkpoint = tmp_path / "train" / "checkpoints" / "step-00000050"
+    deadline = time.monotonic() + 120
+    while not first_checkpoint.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    workers = [p for p in psutil.process_iter(["cmdline"])
+               if "forgeline.model.train" in " ".join(p.info["cmdline"] or [])
+               and "torch.distributed.run" not in " ".join(p.info["cmdline"] or [])]
+    assert first_checkpoint.exists() and len(workers) == 1
+    workers[0].kill()  # SIGKILL, mid-run
+    trainer.join(timeout=300)
+    assert outcome["result"].step == 400
+    assert "resumed from" in caplog.text
+
+
+def test_fsdp_x_tp_layout_trains_and_its_checkpoint_loads_in_one_process(
+        data_root: Path, tmp_path: Path) -> None:
+    cfg = config(data_root, tmp_path, "parallel.dp=2", "parallel.tp=2")
+    result = train_model(cfg)
+    assert result.layout == {"dp": 2, "tp": 2, "world_size": 4}
+    model = load_from_checkpoint(result.checkpoint)  # resharded onto one plain module
+    logits = model(torch.zeros(1, 8, dtype=torch.long))
+    assert torch.isfinite(logits).all()

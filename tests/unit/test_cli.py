@@ -1,0 +1,49 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from forgeline.flows.cli import STAGE_NAMES, main
+
+FORGELINE = str(Path(sys.executable).parent / "forgeline")
+
+
+@pytest.mark.parametrize("verb", [[], ["run"], ["stage"], ["config"], ["config", "show"]],
+                         ids=lambda v: " ".join(v) or "forgeline")
+def test_every_verb_has_help(verb: list[str]) -> None:
+    done = subprocess.run([FORGELINE, *verb, "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "usage: forgeline" in done.stdout
+
+
+def test_stage_help_lists_the_four_stages() -> None:
+    done = subprocess.run([FORGELINE, "stage", "--help"], capture_output=True, text=True, timeout=60)
+    assert all(name in done.stdout for name in STAGE_NAMES)
+
+
+def test_bad_config_fails_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--set", "parallel.tp=3"]) == 2
+    assert "parallel.tp=3 must divide model.n_heads=8" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no artifacts, no MLflow store, nothing
+
+
+def test_stage_with_unknown_key_fails_with_exit_code_2(capsys: pytest.CaptureFixture) -> None:
+    assert main(["stage", "eval", "--set", "eval.limt=3"]) == 2
+    assert "eval.limt: unknown key" in capsys.readouterr().err
+
+
+def test_config_show_prints_the_resolved_config(capsys: pytest.CaptureFixture) -> None:
+    assert main(["config", "show", "--config", "debug.yaml", "--set", "train.steps=7"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["train"]["steps"] == 7 and shown["model"]["dim"] == 64
+
+
+def test_config_docs_cover_every_section(capsys: pytest.CaptureFixture) -> None:
+    assert main(["config", "show", "--docs"]) == 0
+    out = capsys.readouterr().out
+    for section in ("data", "model", "parallel", "train", "checkpoint", "eval", "registry"):
+        assert f"\n{section}:" in f"\n{out}"

@@ -1,0 +1,92 @@
+from pathlib import Path
+
+import pytest
+
+from forgeline.configs import Config, ConfigError, load_config, shipped_configs
+from forgeline.configs.loader import config_docs
+from forgeline.configs.schema import Section
+
+
+@pytest.mark.parametrize("path", shipped_configs(), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    assert cfg.parallel.world_size >= 1
+
+
+def test_default_is_the_embedded_tiny_config() -> None:
+    assert load_config() == load_config("tiny.yaml")
+
+
+def test_every_field_is_documented() -> None:
+    sections = [Config] + [Config.model_fields[name].annotation for name in Config.model_fields]
+    for section in sections:
+        assert issubclass(section, Section)
+        for name, field in section.model_fields.items():
+            if section is Config:
+                continue
+            assert field.description, f"{section.__name__}.{name} has no docstring"
+    docs = config_docs()
+    assert "global_batch_size" in docs and "Sequences per optimizer step" in docs
+
+
+def test_override_sets_typed_values() -> None:
+    cfg = load_config("tiny.yaml", ["train.lr=3e-4", "parallel.dp=2", "eval.tasks=[a, b]"])
+    assert cfg.train.lr == 3e-4 and cfg.parallel.dp == 2 and cfg.eval.tasks == ["a", "b"]
+
+
+def test_unknown_key_names_the_key_and_the_allowed_ones() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny.yaml", ["train.lrr=1"])
+    message = str(err.value)
+    assert "train.lrr: unknown key" in message
+    assert "lr, " in message and "global_batch_size" in message
+
+
+def test_unknown_section_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="unknown section 'trian'; allowed: data, model"):
+        load_config("tiny.yaml", ["trian.lr=1"])
+
+
+def test_invalid_value_names_the_key_and_the_value() -> None:
+    with pytest.raises(ConfigError, match=r"train\.lr: Input should be greater than 0 \(got -1\)"):
+        load_config("tiny.yaml", ["train.lr=-1"])
+
+
+def test_malformed_override() -> None:
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config("tiny.yaml", ["train.lr"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.tp=3"], "parallel.tp=3 must divide model.n_heads=8 and model.n_kv_heads=4"),
+    (["train.global_batch_size=10", "parallel.dp=4"],
+     "global_batch_size=10 must be divisible by parallel.dp=4"),
+    (["model.n_kv_heads=3"], "n_kv_heads=3 must divide n_heads=8"),
+    (["model.max_seq_len=64"], "model.max_seq_len=64 must be >= data.seq_len=128"),
+    (["train.warmup_steps=300"], "warmup_steps=300 must be smaller than steps=300"),
+    (["data.sources=[{kind: files}]"], "kind 'files' needs a `path` glob"),
+])
+def test_inconsistent_values_fail_with_the_numbers(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny.yaml", overrides)
+    assert message in str(err.value)
+
+
+def test_missing_config_file_lists_the_shipped_ones(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found; shipped configs: debug.yaml, tiny.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_yaml_file_with_bad_value(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  dim: wide\n")
+    with pytest.raises(ConfigError, match="model.dim: Input should be a valid integer"):
+        load_config(path)
+
+
+def test_section_hash_changes_only_with_its_section() -> None:
+    base = load_config("tiny.yaml")
+    other = load_config("tiny.yaml", ["eval.limit=5"])
+    assert base.section_hash("data", "model") == other.section_hash("data", "model")
+    assert base.section_hash("eval") != other.section_hash("eval")

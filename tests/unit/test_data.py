@@ -1,0 +1,125 @@
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from forgeline.model.data import MANIFEST_NAME, read_manifest, read_shard, split_shards
+from forgeline.model.fileio import sha256_file
+from forgeline.tasks.data import EOS_TOKEN, build_dataset, read_shakespeare
+from tests.conftest import debug_config
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """80 real scenes as separate text files: a small `files` corpus."""
+    root = tmp_path_factory.mktemp("corpus")
+    for doc in read_shakespeare()[:80]:
+        (root / f"{doc.name.replace('#', '-')}.txt").write_text(doc.text)
+    return root
+
+
+def files_config(root: Path, corpus: Path, *overrides: str):
+    return debug_config(root, f"data.sources=[{{kind: files, path: '{corpus}/*.txt'}}]",
+                        "data.samples_per_shard=100", *overrides)
+
+
+def test_shakespeare_is_split_into_scenes() -> None:
+    docs = read_shakespeare()
+    assert len(docs) > 700
+    assert all(doc.text.startswith("### ") for doc in docs)
+    assert {doc.name.split("#")[0] for doc in docs} >= {"hamlet", "macbeth", "the-tempest"}
+
+
+def test_manifest_describes_verified_shards(data_root: Path) -> None:
+    data_dir = data_root / "data"
+    manifest = read_manifest(data_dir)
+    for split in ("train", "val"):
+        entry = manifest["splits"][split]
+        assert entry["samples"] == sum(s["samples"] for s in entry["shards"]) > 0
+        for shard in split_shards(data_dir, manifest, split):
+            assert sha256_file(shard.path) == shard.sha256
+            rows = read_shard(shard)
+            assert rows.shape == (shard.samples, manifest["seq_len"] + 1)
+            assert rows.max() < manifest["vocab_size"]
+    assert manifest["tokenizer"]["sha256"] == sha256_file(data_dir / "tokenizer" / "tokenizer.json")
+    assert manifest["sources"]["shakespeare"]["documents"] == (
+        manifest["splits"]["train"]["documents"] + manifest["splits"]["val"]["documents"])
+
+
+def test_tokenizer_loads_in_transformers_and_round_trips(data_root: Path) -> None:
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(data_root / "data" / "tokenizer"))
+    text = "To be, or not to be: that is the question.\n  Whether 'tis nobler"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.eos_token == EOS_TOKEN
+    assert len(tokenizer) == read_manifest(data_root / "data")["vocab_size"] == 512
+
+
+def test_packing_is_contiguous_with_eos_between_documents(data_root: Path) -> None:
+    data_dir = data_root / "data"
+    manifest = read_manifest(data_dir)
+    rows = read_shard(split_shards(data_dir, manifest, "val")[0])
+    # Consecutive samples overlap by one token: the last target is the next first input.
+    assert (rows[:-1, -1] == rows[1:, 0]).all()
+    assert (rows == manifest["eos_id"]).sum() > 0
+
+
+def test_heldout_documents_are_exactly_the_val_split(data_root: Path) -> None:
+    lines = (data_root / "data" / "val_docs.jsonl").read_text().splitlines()
+    manifest = read_manifest(data_root / "data")
+    assert len(lines) == manifest["splits"]["val"]["documents"]
+    assert all(json.loads(line)["text"] for line in lines)
+
+
+def test_same_inputs_give_byte_identical_output(tmp_path: Path, corpus: Path) -> None:
+    first = build_dataset(files_config(tmp_path / "a", corpus))
+    second = build_dataset(files_config(tmp_path / "b", corpus))
+    digests = [{p.name: sha256_file(p) for p in Path(r.out_dir).glob("*") if p.is_file()}
+               for r in (first, second)]
+    assert digests[0] == digests[1]
+    assert first.manifest_sha256 == second.manifest_sha256
+
+
+def test_rerun_replaces_output_whole(tmp_path: Path, corpus: Path) -> None:
+    build_dataset(files_config(tmp_path, corpus))
+    build_dataset(files_config(tmp_path, corpus, "data.samples_per_shard=50"))
+    data_dir = tmp_path / "data"
+    listed = {s["path"] for split in read_manifest(data_dir)["splits"].values() for s in split["shards"]}
+    on_disk = {p.name for p in data_dir.glob("*.tar")}
+    assert listed == on_disk
+    assert not list(tmp_path.glob(".data.*"))  # no staging or old directories left behind
+
+
+def test_missing_files_fail_before_anything_is_written(tmp_path: Path) -> None:
+    cfg = files_config(tmp_path, tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="no files match"):
+        build_dataset(cfg)
+    assert not (tmp_path / "data").exists()
+
+
+def test_bad_input_keeps_the_previous_output(tmp_path: Path, corpus: Path) -> None:
+    build_dataset(files_config(tmp_path, corpus))
+    before = sha256_file(tmp_path / "data" / MANIFEST_NAME)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "ok.txt").write_text("fine text " * 100)
+    (bad / "binary.txt").write_bytes(b"\xff\xfe\x00garbage" * 10)
+    with pytest.raises(ValueError, match=r"binary.txt is not valid UTF-8"):
+        build_dataset(files_config(tmp_path, bad))
+    assert sha256_file(tmp_path / "data" / MANIFEST_NAME) == before
+
+
+def test_corpus_too_small_for_one_sample_is_explained(tmp_path: Path) -> None:
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    for i in range(40):
+        (tiny / f"{i}.txt").write_text(f"doc {i}")
+    with pytest.raises(ValueError, match="fewer than one sample"):
+        build_dataset(files_config(tmp_path, tiny, "data.val_fraction=0.5"))
+
+
+def test_samples_are_stored_compactly(data_root: Path) -> None:
+    manifest = read_manifest(data_root / "data")
+    rows = read_shard(split_shards(data_root / "data", manifest, "train")[0])
+    assert rows.dtype == np.uint16

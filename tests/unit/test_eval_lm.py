@@ -1,0 +1,86 @@
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lm_eval.api.instance import Instance
+
+from forgeline.eval.lm import ForgelineLM
+from forgeline.model.inference import save_bundle
+from forgeline.model.llama import ModelArgs, Transformer
+
+
+@pytest.fixture(scope="module")
+def lm(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> ForgelineLM:
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=512, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                  ffn_dim=64, max_seq_len=48))
+    model.init_weights()
+    bundle = tmp_path_factory.mktemp("bundle")
+    save_bundle(model, bundle)
+    return ForgelineLM(bundle=str(bundle), tokenizer=str(data_root / "data" / "tokenizer"), batch_size=4)
+
+
+def request(kind: str, *args) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
+
+
+@torch.no_grad()
+def direct_logprob(lm: ForgelineLM, tokens: list[int], n_target: int) -> float:
+    inputs = torch.tensor([tokens[:-1]])
+    logprobs = F.log_softmax(lm.model(inputs)[0].float(), dim=-1)
+    positions = range(len(tokens) - 1 - n_target, len(tokens) - 1)
+    return sum(float(logprobs[p, tokens[p + 1]]) for p in positions)
+
+
+def test_loglikelihood_matches_a_direct_forward_pass(lm: ForgelineLM) -> None:
+    context, continuation = "KING HENRY: Once more unto the breach,", " dear friends"
+    [(score, _)] = lm.loglikelihood([request("loglikelihood", context, continuation)])
+    whole = lm.tok_encode(context + continuation)
+    n_cont = len(whole) - len(lm.tok_encode(context))
+    assert score == pytest.approx(direct_logprob(lm, whole, n_cont), abs=1e-4)
+
+
+def test_scores_do_not_depend_on_batching(lm: ForgelineLM) -> None:
+    requests = [request("loglikelihood", f"Question {i}: who is {'very ' * i}brave?", " Hal")
+                for i in range(9)]
+    batched = lm.loglikelihood(requests)
+    lm.batch_size = 1
+    try:
+        single = lm.loglikelihood(requests)
+    finally:
+        lm.batch_size = 4
+    for (a, greedy_a), (b, greedy_b) in zip(batched, single, strict=True):
+        assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
+
+
+def test_rolling_loglikelihood_covers_every_token_once(lm: ForgelineLM) -> None:
+    text = "O Romeo, Romeo! wherefore art thou Romeo? " * 6  # longer than max_length 48
+    tokens = lm.tok_encode(text)
+    assert len(tokens) > lm.max_length
+    [total] = lm.loglikelihood_rolling([request("loglikelihood_rolling", text)])
+    # Windows of disjoint targets: the first is predicted from the EOS prefix.
+    expected = 0.0
+    stream = [lm.eot_token_id] + tokens
+    for start in range(0, len(tokens), lm.max_length):
+        end = min(start + lm.max_length, len(tokens))
+        window = stream[max(0, end - lm.max_length): end + 1]
+        expected += direct_logprob(lm, window, end - start)
+    assert total == pytest.approx(expected, abs=1e-3)
+
+
+def test_generate_until_cuts_at_the_stop_sequence(lm: ForgelineLM) -> None:
+    def run(until: list[str]) -> str:
+        gen_kwargs = {"until": until, "max_gen_toks": 16}
+        [text] = lm.generate_until([request("generate_until", "ROMEO:", gen_kwargs)])
+        return text
+
+    free = run(["\u2603"])  # a stop sequence that never appears: 16 greedy tokens
+    assert len(free) >= 4
+    stop = free[len(free) // 2:][:2]
+    assert run([stop]) == free.split(stop)[0]
+
+
+def test_exactly_one_model_source_is_required(data_root: Path) -> None:
+    with pytest.raises(ValueError, match="exactly one of checkpoint"):
+        ForgelineLM(tokenizer=str(data_root / "data" / "tokenizer"))

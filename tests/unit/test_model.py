@@ -1,0 +1,56 @@
+import torch
+
+from forgeline.model.inference import generate
+from forgeline.model.llama import ModelArgs, Transformer
+
+ARGS = ModelArgs(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+
+
+def build(seed: int = 0, args: ModelArgs = ARGS) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+def test_forward_shape() -> None:
+    logits = build()(torch.randint(0, 97, (3, 16)))
+    assert logits.shape == (3, 16, 97)
+    assert torch.isfinite(logits).all()
+
+
+def test_causal_future_tokens_do_not_change_the_past() -> None:
+    model = build()
+    tokens = torch.randint(0, 97, (1, 16))
+    changed = tokens.clone()
+    changed[0, 10:] = (changed[0, 10:] + 1) % 97
+    torch.testing.assert_close(model(tokens)[0, :10], model(changed)[0, :10])
+    assert not torch.allclose(model(tokens)[0, 10:], model(changed)[0, 10:])
+
+
+def test_meta_build_then_init_is_deterministic_per_seed() -> None:
+    a, b, c = build(0).state_dict(), build(0).state_dict(), build(1).state_dict()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+    assert not torch.equal(a["layers.0.attention.wq.weight"], c["layers.0.attention.wq.weight"])
+
+
+def test_num_params_matches_the_module() -> None:
+    assert ARGS.num_params() == sum(p.numel() for p in build().parameters())
+
+
+def test_grouped_query_attention_has_fewer_kv_weights() -> None:
+    attention = build().layers["0"].attention
+    assert attention.wq.weight.shape == (32, 32)
+    assert attention.wk.weight.shape == (16, 32)  # 2 kv heads of dim 8
+
+
+def test_greedy_generation_is_deterministic_and_stops() -> None:
+    model = build().eval()
+    first = generate(model, [1, 2, 3], max_new_tokens=8)
+    assert first == generate(model, [1, 2, 3], max_new_tokens=8)
+    assert len(first) == 8
+    assert generate(model, [1, 2, 3], max_new_tokens=8, stop=lambda new: len(new) == 3) == first[:3]
+    assert generate(model, [1, 2, 3], max_new_tokens=8, stop_token=first[0]) == []
