@@ -146,7 +146,7 @@ class TrainConfig(Section):
     """Final learning rate of the cosine decay as a fraction of `lr`."""
 
     warmup_steps: int = Field(30, ge=0)
-    """Steps of linear warmup from 0 to `lr`."""
+    """Steps of linear warmup: update k of the first warmup_steps uses lr * k / warmup_steps."""
 
     weight_decay: float = Field(0.1, ge=0)
     """AdamW decoupled weight decay (not applied to norms)."""

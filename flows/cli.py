@@ -67,8 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb == "config":
             return show_config(args)
         cfg_source = (args.config, args.overrides)
-        load_config(*cfg_source)  # fail on a bad config before Prefect starts
-    except ConfigError as err:
+        cfg = load_config(*cfg_source)  # fail on bad input before Prefect starts
+        if args.verb == "stage":
+            from forgeline.tasks.stages import check_stage_inputs
+
+            check_stage_inputs(args.name, cfg)
+    except (ConfigError, FileNotFoundError) as err:
         print(f"forgeline: {err}", file=sys.stderr)
         return 2
     if args.verb == "run":

@@ -42,12 +42,6 @@ class ModelArgs:
         block = attention + ffn + 2 * self.dim
         return 2 * self.vocab_size * self.dim + self.n_layers * block + self.dim
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward + backward): 6 * matmul params + attention."""
-        matmul_params = self.num_params() - self.vocab_size * self.dim - (2 * self.n_layers + 1) * self.dim
-        attention = 12 * self.n_layers * self.dim * seq_len
-        return 6 * matmul_params + attention
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):

@@ -39,6 +39,3 @@ def eval_task(cfg: Config, parent_run_id: str | None = None) -> EvalResult:
 @task(name="register", cache_policy=NO_CACHE)
 def register_task(cfg: Config, parent_run_id: str | None = None) -> RegisterResult:
     return run_register_stage(cfg, parent_run_id)
-
-
-STAGE_TASKS = {"data": data_task, "train": train_task, "eval": eval_task, "register": register_task}

@@ -99,7 +99,3 @@ def register_model(cfg: Config, run: RunTracker, checkpoint: str, tokenizer_dir:
     write_text_atomic(out_dir / REGISTERED_NAME, json.dumps(asdict(result), indent=2) + "\n")
     log.info("registered %s version %s (alias %s)", result.model_name, version, CANDIDATE_ALIAS)
     return result
-
-
-def read_registered(cfg: Config) -> RegisterResult:
-    return RegisterResult(**json.loads((Path(cfg.registry.out_dir) / REGISTERED_NAME).read_text()))

@@ -11,12 +11,37 @@ from mlflow import MlflowClient
 from forgeline.configs import Config
 from forgeline.model.data import MANIFEST_NAME
 from forgeline.tasks.data import DataResult, build_dataset
-from forgeline.tasks.evaluate import EvalResult, evaluate_model, read_eval_metrics
+from forgeline.tasks.evaluate import METRICS_NAME, EvalResult, evaluate_model, read_eval_metrics
 from forgeline.tasks.register import RegisterResult, register_model
 from forgeline.tasks.tracking import RunTracker, dvc_hash, resolve_tracking_uri, tracked_run
-from forgeline.tasks.train import TrainResult, read_train_summary, train_model
+from forgeline.tasks.train import SUMMARY_NAME, TrainResult, read_train_summary, train_model
 
 DATA_VERSION_TAG = "forgeline.data.dvc_md5"
+UPSTREAM = {"data": (), "train": ("data",), "eval": ("data", "train"), "register": ("data", "train", "eval")}
+
+
+class MissingInputError(FileNotFoundError):
+    """A stage was asked to run before the stages it reads from."""
+
+
+def stage_output_marker(stage: str, cfg: Config) -> Path:
+    """The file a stage writes last: its presence means the stage's output is complete."""
+    return {
+        "data": Path(cfg.data.out_dir) / MANIFEST_NAME,
+        "train": Path(cfg.train.out_dir) / SUMMARY_NAME,
+        "eval": Path(cfg.eval.out_dir) / METRICS_NAME,
+    }[stage]
+
+
+def check_stage_inputs(stage: str, cfg: Config) -> None:
+    """Fail before any work if an upstream stage's output is missing."""
+    missing = [up for up in UPSTREAM[stage] if not stage_output_marker(up, cfg).is_file()]
+    if missing:
+        paths = ", ".join(str(stage_output_marker(up, cfg)) for up in missing)
+        raise MissingInputError(
+            f"stage {stage!r} reads the output of {', '.join(missing)}, which is missing ({paths}); "
+            f"run `forgeline stage {missing[0]}` first, or the whole pipeline with `forgeline run`"
+        )
 
 
 def _on_parent(cfg: Config, parent_run_id: str | None) -> RunTracker | None:
@@ -85,11 +110,3 @@ def run_register_stage(cfg: Config, parent_run_id: str | None = None) -> Registe
             parent.set_tags({"forgeline.model_name": result.model_name,
                              "forgeline.model_version": result.version})
     return result
-
-
-STAGES = {
-    "data": run_data_stage,
-    "train": run_train_stage,
-    "eval": run_eval_stage,
-    "register": run_register_stage,
-}

@@ -6,7 +6,6 @@ active-run stack), so stages can run in Prefect's worker threads and in torchrun
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -95,9 +94,6 @@ class RunTracker:
             self.client.log_artifacts(self.run_id, str(path), artifact_path)
         else:
             self.client.log_artifact(self.run_id, str(path), artifact_path)
-
-    def log_dict(self, payload: dict, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, json.dumps(payload, indent=2, sort_keys=True), artifact_file)
 
 
 def experiment_id(client: MlflowClient, cfg: Config) -> str:

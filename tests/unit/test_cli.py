@@ -47,3 +47,13 @@ def test_config_docs_cover_every_section(capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     for section in ("data", "model", "parallel", "train", "checkpoint", "eval", "registry"):
         assert f"\n{section}:" in f"\n{out}"
+
+
+def test_stage_without_its_upstream_output_fails_before_any_work(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["stage", "eval", "--config", "debug.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "stage 'eval' reads the output of data, train, which is missing" in err
+    assert "run `forgeline stage data` first" in err
+    assert list(tmp_path.iterdir()) == []
