@@ -113,18 +113,117 @@ class ModelConfig(Section):
         return self
 
 
-class ParallelConfig(Section):
-    """Parallel layout on one named DeviceMesh ("dp", "tp"); world size = dp * tp."""
+PipelineSchedule = Literal[
+    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+]
+# Schedules that run one stage per rank; the "V" ones run exactly two, placed in a V
+# (rank r holds stages r and 2*pp - 1 - r); the rest loop stages over ranks (r, r + pp, ...).
+SINGLE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
+V_SCHEDULES = frozenset({"ZBVZeroBubble", "DualPipeV"})
+INTERLEAVED_SCHEDULES = frozenset({"Interleaved1F1B", "InterleavedZeroBubble"})
 
-    dp: PositiveInt = 1
-    """Data-parallel degree; parameters, gradients and optimizer state sharded with FSDP2."""
+
+class ParallelConfig(Section):
+    """Parallel layout on one named DeviceMesh with dimensions, outermost to innermost,
+    ("pp", "dp_replicate", "dp_shard", "tp"): tensor parallel on consecutive ranks (one node),
+    pipeline stages furthest apart. World size = pp * dp_replicate * dp_shard * tp."""
+
+    dp_shard: PositiveInt = 1
+    """FSDP2 degree: parameters, gradients and optimizer state sharded over this many ranks."""
+
+    dp_replicate: PositiveInt = 1
+    """HSDP replicas: the dp_shard groups are replicated this many times (gradients all-reduced
+    across replicas)."""
 
     tp: PositiveInt = 1
-    """Tensor-parallel degree (innermost mesh dimension); must divide n_heads and n_kv_heads."""
+    """Tensor-parallel degree; must divide model.n_heads and model.n_kv_heads and the ranks
+    per node."""
+
+    pp: PositiveInt = 1
+    """Pipeline-parallel degree (number of ranks along the pipeline)."""
+
+    pp_schedule: PipelineSchedule = "1F1B"
+    """Pipeline schedule from torch.distributed.pipelining."""
+
+    pp_stages_per_rank: PositiveInt = 1
+    """Pipeline stages per rank: 1 for GPipe and 1F1B, 2 for ZBVZeroBubble and DualPipeV, 2 or
+    more for the interleaved/looped schedules."""
+
+    pp_microbatches: PositiveInt = 2
+    """Microbatches per pipeline step; must divide the per-rank batch of one accumulation step.
+    1F1B and DualPipeV need at least as many as stages."""
+
+    sequence_parallel: bool = True
+    """With tp > 1: shard norms and the residual stream along the sequence (SequenceParallel)."""
+
+    loss_parallel: bool = True
+    """With tp > 1: cross-entropy on vocabulary-sharded logits, never gathering them."""
+
+    activation_checkpoint: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward: `full` per transformer block; `selective` keeps
+    matmul and attention outputs and recomputes the rest."""
+
+    compile: bool = False
+    """torch.compile each transformer block (the first step pays the compile time)."""
+
+    nnodes: PositiveInt = 1
+    """Nodes the job spans; each runs world_size / nnodes ranks."""
+
+    rdzv_endpoint: str = ""
+    """host:port of the c10d rendezvous when nnodes > 1 (the same on every node)."""
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that see different data."""
+        return self.dp_replicate * self.dp_shard
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.pp_stages_per_rank
+
+    @model_validator(mode="after")
+    def _layout_fits(self) -> ParallelConfig:
+        if self.world_size % self.nnodes:
+            raise ValueError(f"world size pp*dp_replicate*dp_shard*tp = {self.world_size} is not "
+                             f"divisible by nnodes={self.nnodes}")
+        if self.nproc_per_node % self.tp:
+            raise ValueError(f"tp={self.tp} must divide the {self.nproc_per_node} ranks per node, so "
+                             "no tensor-parallel group crosses a node")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port reachable from "
+                             "every node)")
+        self._check_schedule()
+        return self
+
+    def _check_schedule(self) -> None:
+        name, per_rank, stages, mbs = (self.pp_schedule, self.pp_stages_per_rank, self.num_stages,
+                                       self.pp_microbatches)
+        if self.pp == 1:
+            if per_rank != 1:
+                raise ValueError(f"pp_stages_per_rank={per_rank} needs pp > 1")
+            return
+        if name in SINGLE_STAGE_SCHEDULES and per_rank != 1:
+            raise ValueError(f"pp_schedule {name} runs one stage per rank; got pp_stages_per_rank={per_rank}")
+        if name in V_SCHEDULES and per_rank != 2:
+            raise ValueError(f"pp_schedule {name} runs exactly 2 stages per rank; "
+                             f"got pp_stages_per_rank={per_rank}")
+        if name not in SINGLE_STAGE_SCHEDULES | V_SCHEDULES and per_rank < 2:
+            raise ValueError(f"pp_schedule {name} interleaves stages: set pp_stages_per_rank >= 2")
+        if name in {"1F1B", "DualPipeV"} and mbs < stages:
+            raise ValueError(f"pp_schedule {name} needs pp_microbatches >= stages: "
+                             f"{mbs} < {stages} (pp={self.pp} x {per_rank} per rank)")
+        rounds = max(1, mbs // self.pp)
+        if name in INTERLEAVED_SCHEDULES and mbs % rounds:
+            raise ValueError(f"pp_schedule {name} needs pp_microbatches to be a multiple of "
+                             f"max(1, pp_microbatches // pp) = {rounds}; got {mbs}")
 
 
 class TrainConfig(Section):
@@ -137,7 +236,16 @@ class TrainConfig(Section):
     """Optimizer steps to train for."""
 
     global_batch_size: PositiveInt = 16
-    """Sequences per optimizer step over all data-parallel ranks; divisible by parallel.dp."""
+    """Sequences per optimizer step over all data-parallel ranks; divisible by
+    dp_replicate * dp_shard * grad_accum_steps."""
+
+    grad_accum_steps: PositiveInt = 1
+    """Forward/backward passes whose gradients are summed before each optimizer step."""
+
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Compute precision. `auto`: bf16 on a GPU that supports it, else fp32 (bf16 on CPUs
+    without native support is 30-90x slower). bf16/fp16 keep fp32 master weights, fp32
+    gradient reductions and fp32 optimizer state; fp16 adds dynamic loss scaling."""
 
     lr: PositiveFloat = 1e-3
     """Peak learning rate, reached at the end of warmup."""
@@ -164,7 +272,12 @@ class TrainConfig(Section):
     """Seed for weight initialization and data order."""
 
     log_every: PositiveInt = 10
-    """Print a progress line every this many steps (MLflow gets every step)."""
+    """Print a progress line (and compare per-rank step times) every this many steps; MLflow
+    gets every step."""
+
+    peak_tflops: PositiveFloat | None = None
+    """Peak TFLOP/s of one device that MFU is reported against; None measures an fp32 matmul
+    on every rank at start-up."""
 
     max_restarts: int = Field(1, ge=0)
     """torchrun in-job restarts after a rank fails; each restart resumes from the latest
@@ -247,16 +360,30 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _sections_agree(self) -> Config:
-        tp, dp = self.parallel.tp, self.parallel.dp
+        par, tp = self.parallel, self.parallel.tp
         if self.model.n_heads % tp or self.model.n_kv_heads % tp:
             raise ValueError(
                 f"parallel.tp={tp} must divide model.n_heads={self.model.n_heads} "
                 f"and model.n_kv_heads={self.model.n_kv_heads}"
             )
-        if self.train.global_batch_size % dp:
+        per_step = par.dp * self.train.grad_accum_steps
+        if self.train.global_batch_size % per_step:
             raise ValueError(
-                f"train.global_batch_size={self.train.global_batch_size} must be divisible "
-                f"by parallel.dp={dp}"
+                f"train.global_batch_size={self.train.global_batch_size} must be divisible by "
+                f"dp_replicate*dp_shard*grad_accum_steps = {par.dp_replicate}*{par.dp_shard}*"
+                f"{self.train.grad_accum_steps} = {per_step}"
+            )
+        local = self.train.global_batch_size // per_step
+        if par.pp > 1 and local % par.pp_microbatches:
+            raise ValueError(
+                f"the per-rank batch of one accumulation step, {local} sequences, must divide into "
+                f"parallel.pp_microbatches={par.pp_microbatches}"
+            )
+        if par.num_stages > self.model.n_layers:
+            raise ValueError(
+                f"{par.num_stages} pipeline stages (pp={par.pp} x pp_stages_per_rank="
+                f"{par.pp_stages_per_rank}) need at least as many layers; model.n_layers="
+                f"{self.model.n_layers}"
             )
         if self.model.max_seq_len < self.data.seq_len:
             raise ValueError(
@@ -283,7 +410,7 @@ class Config(Section):
 
 # Train fields that change how a job runs, not what it computes: a checkpoint written under
 # other values of these can still be resumed.
-OPERATIONAL_TRAIN_FIELDS = frozenset({"out_dir", "log_every", "max_restarts", "timeout_s"})
+OPERATIONAL_TRAIN_FIELDS = frozenset({"out_dir", "log_every", "max_restarts", "timeout_s", "peak_tflops"})
 
 
 def resume_fingerprint(cfg: Config, data_manifest_sha256: str) -> str:

@@ -3,6 +3,7 @@
     forgeline run [--config PATH] [--set section.key=value ...]
     forgeline stage {data,train,eval,register} [--config PATH] [--set ...]
     forgeline config show [--config PATH] [--set ...] [--docs]
+    forgeline plan --nodes N --accelerators-per-node K --memory-gib G [...] [--write-config OUT]
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import yaml
 
 from forgeline.configs import ConfigError, load_config
 from forgeline.configs.loader import config_docs
-
-STAGE_NAMES = ("data", "train", "eval", "register")
+from forgeline.tasks import STAGES
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +24,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run config YAML, or the name of a shipped one (default: tiny.yaml)")
     parser.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append",
                         default=[], help="override one config value (repeatable), e.g. "
-                                         "--set train.steps=50 --set parallel.dp=2")
+                                         "--set train.steps=50 --set parallel.dp_shard=2")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     stage = verbs.add_parser("stage", help="run one stage as its own Prefect flow",
                              description="Run one stage; it reads its inputs from the upstream "
                                          "stages' output directories named in the config.")
-    stage.add_argument("name", choices=STAGE_NAMES, help="the stage to run")
+    stage.add_argument("name", choices=STAGES, help="the stage to run")
     add_config_arguments(stage)
 
     config = verbs.add_parser("config", help="inspect and validate run configs",
@@ -56,7 +56,38 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(show)
     show.add_argument("--docs", action="store_true",
                       help="print every section and field with its default and meaning instead")
+    add_plan_parser(verbs)
     return parser
+
+
+def add_plan_parser(verbs: argparse._SubParsersAction) -> None:
+    plan = verbs.add_parser(
+        "plan", help="recommend TP/PP/DP for a model on a cluster and estimate its costs",
+        description="Recommend tensor/pipeline/data-parallel degrees (TP within a node, PP <= max-pp, "
+                    "DP fills the rest) for the config's model -- or a model of --params parameters -- "
+                    "and print per-device memory, pipeline bubble, communication per step, checkpoint "
+                    "size, the storage bandwidth a save window needs and the Young/Daly checkpoint "
+                    "interval. --write-config saves the config with that layout for `forgeline run`.")
+    add_config_arguments(plan)
+    plan.add_argument("--params", type=float, help="plan for a model of this many parameters (e.g. 10e9)")
+    plan.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    plan.add_argument("--accelerators-per-node", type=int, required=True)
+    plan.add_argument("--memory-gib", type=float, required=True, help="memory per accelerator, GiB")
+    plan.add_argument("--intra-node-gbps", type=float, default=300.0,
+                      help="per-accelerator bandwidth inside a node, GB/s (default: 300, NVLink)")
+    plan.add_argument("--inter-node-gbps", type=float, default=25.0,
+                      help="per-accelerator bandwidth between nodes, GB/s (default: 25, 200 Gbit/s)")
+    plan.add_argument("--seq-len", type=int, help="default: the config's data.seq_len")
+    plan.add_argument("--global-batch", type=int, help="default: the config's train.global_batch_size")
+    plan.add_argument("--microbatches", type=int, help="default: the config's parallel.pp_microbatches")
+    plan.add_argument("--activation-checkpoint", choices=("none", "selective", "full"),
+                      help="default: the config's parallel.activation_checkpoint")
+    plan.add_argument("--zero-stage", type=int, default=3, choices=(0, 1, 2, 3),
+                      help="how much of the model state data parallelism shards (default: 3, FSDP2)")
+    plan.add_argument("--max-pp", type=int, default=4, help="deepest pipeline allowed (default: 4)")
+    plan.add_argument("--save-window-s", type=float, default=300.0, help="time a checkpoint save may take")
+    plan.add_argument("--mtbf-hours", type=float, default=24.0, help="mean time between job failures")
+    plan.add_argument("--write-config", metavar="OUT", help="write the config with the planned layout here")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,13 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.verb == "config":
             return show_config(args)
+        if args.verb == "plan":
+            return plan_layout(args)
         cfg_source = (args.config, args.overrides)
         cfg = load_config(*cfg_source)  # fail on bad input before Prefect starts
-        if args.verb == "stage":
-            from forgeline.tasks.stages import check_stage_inputs
+        from forgeline.tasks.stages import preflight
 
-            check_stage_inputs(args.name, cfg)
-    except (ConfigError, FileNotFoundError) as err:
+        preflight(cfg, (args.name,) if args.verb == "stage" else STAGES)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"forgeline: {err}", file=sys.stderr)
         return 2
     if args.verb == "run":
@@ -86,6 +118,30 @@ def show_config(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, args.overrides)
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def plan_layout(args: argparse.Namespace) -> int:
+    from forgeline.tasks.plan import Cluster, Workload, apply_plan, format_report, plan_run_config
+
+    cfg = load_config(args.config, args.overrides)
+    cluster = Cluster(args.accelerators_per_node, args.nodes, args.memory_gib, args.intra_node_gbps,
+                      args.inter_node_gbps)
+    workload = Workload(
+        seq_len=args.seq_len or cfg.data.seq_len,
+        global_batch_size=args.global_batch or cfg.train.global_batch_size,
+        num_microbatches=args.microbatches or cfg.parallel.pp_microbatches,
+        activation_checkpointing=args.activation_checkpoint or cfg.parallel.activation_checkpoint,
+        zero_stage=args.zero_stage, max_pp=args.max_pp, checkpoint_window_s=args.save_window_s,
+        mtbf_hours=args.mtbf_hours,
+    )
+    result = plan_run_config(cfg, cluster, workload, args.params)
+    print(format_report(result))
+    if args.write_config:
+        planned = apply_plan(cfg, result)
+        with open(args.write_config, "w") as f:
+            yaml.safe_dump(planned.model_dump(mode="json"), f, sort_keys=False)
+        print(f"wrote {args.write_config}: run it with `forgeline run --config {args.write_config}`")
     return 0
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -47,26 +48,37 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used."""
 
 
+# Optimizer state keyed by parameter name, not by position: merges across pipeline stages
+# and loads into any other split.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class ModelState(Stateful):
-    def __init__(self, model: nn.Module):
-        self.model = model
+    """The weights of this rank's model parts (one module, or its pipeline stages), keyed by
+    the unsplit model's parameter names."""
+
+    def __init__(self, parts: list[nn.Module]):
+        self.parts = parts
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
+        for part in self.parts:
+            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
 
 
 class OptimizerState(Stateful):
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
+        self.pairs = list(zip(parts, optimizers, strict=True))
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return {k: v for part, optimizer in self.pairs
+                for k, v in get_optimizer_state_dict(part, optimizer, options=_FLAT).items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        for part, optimizer in self.pairs:
+            set_optimizer_state_dict(part, optimizer, state_dict, options=_FLAT)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forgeline.model.init import InitFn, canonical_name, init_param_
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -42,6 +44,13 @@ class ModelArgs:
         block = attention + ffn + 2 * self.dim
         return 2 * self.vocab_size * self.dim + self.n_layers * block + self.dim
 
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token, forward + backward (PaLM appendix B): 6 per weight of every
+        matmul (all parameters but the embedding table and the norm gains) plus attention's
+        score and value products, 12 * n_layers * dim * seq_len."""
+        matmul_params = self.num_params() - self.vocab_size * self.dim - (2 * self.n_layers + 1) * self.dim
+        return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -52,9 +61,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
 
 
 def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
@@ -97,11 +103,6 @@ class Attention(nn.Module):
         )
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
-        nn.init.trunc_normal_(self.wo.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
-
 
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
@@ -114,11 +115,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def init_weights(self, std: float, out_std: float) -> None:
-        for linear in (self.w1, self.w3):
-            nn.init.trunc_normal_(linear.weight, std=std, a=-3 * std, b=3 * std)
-        nn.init.trunc_normal_(self.w2.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
 
 
 class TransformerBlock(nn.Module):
@@ -133,22 +129,21 @@ class TransformerBlock(nn.Module):
         x = x + self.attention(self.attention_norm(x), rope)
         return x + self.feed_forward(self.ffn_norm(x))
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(std, out_std)
-        self.feed_forward.init_weights(std, out_std)
-
 
 class Transformer(nn.Module):
-    """tokens (B, T) -> logits (B, T, vocab_size)."""
+    """tokens (B, T) -> logits (B, T, vocab_size).
+
+    A pipeline stage is a Transformer with some parts removed: without `tok_embeddings` it
+    takes hidden states (B, T, C) instead of tokens, without `output` (and `norm`) it returns
+    hidden states.
+    """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        # A dict keyed by layer index, so pipeline stages can drop layers and keep the FQNs
-        # that checkpoints are keyed by.
+        # A dict keyed by layer index, so pipeline stages can drop layers and keep the names
+        # that checkpoints and initialization are keyed by.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -157,10 +152,11 @@ class Transformer(nn.Module):
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)  # (B, T, C)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, C)
         for layer in self.layers.values():
             h = layer(h, self.rope)
-        return self.output(self.norm(h))  # (B, T, V)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h  # (B, T, V)
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -168,15 +164,25 @@ class Transformer(nn.Module):
         self.rope.copy_(rope_cache(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta))
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Initialize every parameter and buffer in place; call after `to_empty()`."""
+    def init_weights(self, seed: int) -> None:
+        """Initialize every parameter and buffer in place; call after `to_empty()`. Values depend
+        only on `seed` and each parameter's name (see model/init.py)."""
         self.init_buffers()
-        nn.init.normal_(self.tok_embeddings.weight, std=1.0)
-        std = 0.02
-        # Residual-branch outputs scaled down with depth (GPT-2 / OLMo style).
-        out_std = std / math.sqrt(2 * self.args.n_layers)
-        for layer in self.layers.values():
-            layer.init_weights(std, out_std)
-        self.norm.reset_parameters()
-        final_std = self.args.dim**-0.5
-        nn.init.trunc_normal_(self.output.weight, std=final_std, a=-3 * final_std, b=3 * final_std)
+        for name, param in self.named_parameters():
+            init_param_(param, self._init_rule(canonical_name(name)), seed, name)
+
+    def _init_rule(self, name: str) -> InitFn:
+        """Norm gains 1; embeddings N(0, 1); matrices truncated normal with std 0.02, the
+        residual-branch outputs (wo, w2) scaled down with depth (GPT-2 / OLMo style), and the
+        output projection with std dim**-0.5."""
+        if name.endswith("norm.weight"):
+            return lambda t, g: nn.init.ones_(t)
+        if name == "tok_embeddings.weight":
+            return lambda t, g: nn.init.normal_(t, std=1.0, generator=g)
+        if name == "output.weight":
+            std = self.args.dim**-0.5
+        elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        else:
+            std = 0.02
+        return lambda t, g: nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)

@@ -1,39 +1,121 @@
-"""Training metrics: MLflow (asynchronous, so the loop never waits on the tracking store) and
-a progress line on the console, from global rank 0 only."""
+"""Training metrics: throughput, MFU, memory, per-rank step times (to name stragglers), sent
+to MLflow asynchronously -- the loop never waits on the tracking store -- and printed as a
+progress line, from global rank 0."""
 
 from __future__ import annotations
 
 import logging
+import resource
+import socket
+import statistics
 import time
 
+import torch
+import torch.distributed as dist
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
 log = logging.getLogger(__name__)
 
+STRAGGLER_RATIO = 1.2  # a rank this much slower than the median is named
+
+
+def measure_peak_flops(device: torch.device, size: int = 2048, repeats: int = 5) -> float:
+    """Achieved fp32 matmul FLOP/s on this rank (with its share of the CPU threads). All ranks
+    measure at once, so on a shared CPU their sum is what the machine gives them together."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    a @ b  # warm-up: allocation, thread pool, clocks
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    _sync(device)
+    return 2 * size**3 * repeats / (time.perf_counter() - started)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated device memory (CUDA) or peak resident set size of the process (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
 
 class MetricsLogger:
-    def __init__(self, run_id: str | None, log_every: int, total_steps: int):
-        self.client = MlflowClient() if run_id else None
+    """Collective (every rank calls log_step); only global rank 0 logs."""
+
+    def __init__(self, run_id: str | None, rank: int, log_every: int, total_steps: int,
+                 flops_per_step: float, peak_flops: float, device: torch.device):
+        self.rank = rank
+        self.client = MlflowClient() if run_id and rank == 0 else None
         self.run_id = run_id
         self.log_every = log_every
         self.total_steps = total_steps
+        self.flops_per_step = flops_per_step
+        self.peak_flops = peak_flops  # summed over all ranks
+        self.device = device
+        self.hosts = _gather_hostnames()
+        self._interval_time = 0.0
+        self._interval_steps = 0
         self._pending = []
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        step_time = metrics["step_time_s"]
+        metrics = metrics | {
+            "mfu": self.flops_per_step / step_time / self.peak_flops,
+            "peak_memory_gib": peak_memory_gib(self.device),
+        }
+        self._interval_time += step_time
+        self._interval_steps += 1
+        at_interval = step % self.log_every == 0 or step == self.total_steps
+        if at_interval:
+            metrics |= self._rank_step_times()
+        if self.rank != 0:
+            return
         if self.client is not None:
             now = int(time.time() * 1000)
             batch = [Metric(key, float(value), now, step) for key, value in metrics.items()]
             self._pending.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
-        if step % self.log_every == 0 or step == self.total_steps:
-            shown = "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
-            log.info("step %d/%d  %s", step, self.total_steps, shown)
+        if at_interval:
+            log.info("%s step %d/%d  %s", _bar(step, self.total_steps), step, self.total_steps,
+                     "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()))
+
+    def _rank_step_times(self) -> dict[str, float]:
+        """Mean step time of every rank over the interval; the slowest is named when it lags."""
+        mine = torch.tensor([self._interval_time / self._interval_steps], device=self.device)
+        self._interval_time, self._interval_steps = 0.0, 0
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        times = [t.item() for t in gathered]
+        slowest = max(range(len(times)), key=times.__getitem__)
+        median = statistics.median(times)
+        if self.rank == 0 and len(times) > 1 and times[slowest] > STRAGGLER_RATIO * median:
+            log.warning("straggler: rank %d on %s averages %.3fs per step, %.0f%% above the median %.3fs",
+                        slowest, self.hosts[slowest], times[slowest], 100 * (times[slowest] / median - 1),
+                        median)
+        return {"step_time_max_s": times[slowest], "step_time_median_s": median}
 
     def close(self) -> None:
         """Wait until every queued metric reached the tracking store."""
         for operation in self._pending:
             operation.wait()
         self._pending.clear()
+
+
+def _gather_hostnames() -> list[str]:
+    hosts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
+
+
+def _bar(step: int, total: int, width: int = 20) -> str:
+    done = width * step // total
+    return f"[{'#' * done}{'.' * (width - done)}] {100 * step // total:3d}%"
 
 
 def _fmt(value: float) -> str:

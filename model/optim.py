@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
@@ -42,14 +43,16 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> La
     )
 
 
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
+                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip gradients in place to a global L2 norm of `max_norm` (0: only measure); returns
     the norm before clipping.
 
-    Unlike torch.nn.utils.clip_grad_norm_, this accepts a mix of plain tensors and DTensors on
-    different meshes -- what tensor parallelism (replicated embeddings beside sharded
-    linears) and FSDP x TP (1-D and 2-D meshes) produce: the norm is taken per group and the
-    groups are combined.
+    Unlike torch.nn.utils.clip_grad_norm_, the norm covers the whole model: gradients may be
+    a mix of plain tensors and DTensors on different meshes (tensor parallel without sequence
+    parallel; FSDP x TP gives 1-D and 2-D meshes) -- the norm is taken per group and the groups
+    combined -- and under pipeline parallelism each rank holds only its stages' gradients, so
+    the squared norms are summed over the pipeline group.
     """
     groups: dict[object, list[nn.Parameter]] = defaultdict(list)
     for param in parameters:
@@ -62,7 +65,10 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float().square())
-    total = torch.stack(squares).sum().sqrt()
+    total_squared = torch.stack(squares).sum()
+    if pp_group is not None:
+        dist.all_reduce(total_squared, op=dist.ReduceOp.SUM, group=pp_group)
+    total = total_squared.sqrt()
     if max_norm > 0:
         for params in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

@@ -1,54 +1,128 @@
-"""Parallelism applied to a Transformer from outside, one function per technique.
+"""Parallelism applied to a Transformer (or one pipeline stage of it) from outside, one
+function per technique, in this order -- each step assumes the previous ones:
 
-Order (each step assumes the previous): build on meta -> apply_tp -> apply_fsdp ->
-`to_empty()` + `init_weights()`. FSDP2 goes last so it shards the tensor-parallel DTensors.
+    build on meta -> pipeline_split (model/pipeline.py) -> apply_tp -> apply_ac -> apply_compile
+    -> apply_fsdp -> to_empty() + init_weights(seed)
+
+TP comes first so activation checkpointing and compile see the tensor-parallel modules; FSDP2
+comes last so it shards the tensor-parallel DTensors (2-D, ("dp_shard", "tp")).
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from forgeline.configs.schema import ParallelConfig
 from forgeline.model.llama import Transformer
 from forgeline.model.parallel import ParallelDims
 
 
-def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh) -> None:
+def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh, cfg: ParallelConfig,
+                param_dtype: torch.dtype) -> None:
     if dims.tp_enabled:
-        apply_tp(model, mesh["tp"])
+        apply_tp(model, mesh["tp"], cfg.sequence_parallel, cfg.loss_parallel)
+    if cfg.activation_checkpoint != "none":
+        apply_ac(model, cfg.activation_checkpoint)
+    if cfg.compile:
+        apply_compile(model)
     if dims.dp_enabled:
-        apply_fsdp(model, mesh["dp"])
+        # Under pipeline parallelism every microbatch would re-gather the parameters if they
+        # were resharded after each forward.
+        apply_fsdp(model, dims.fsdp_mesh(mesh), param_dtype, reshard_after_forward=not dims.pp_enabled)
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style tensor parallelism: q/k/v and w1/w3 split by output column, wo and w2
-    by input row, so each block needs one all-reduce per sub-layer. Embeddings and the output
-    projection stay replicated."""
-    for block in model.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(),
-            },
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Megatron-style tensor parallelism: q/k/v and w1/w3 split by output column, wo and w2 by
+    input row -- one collective per sub-layer. With sequence parallelism the norms and the
+    residual stream are sharded along the sequence (all-gather before attention/FFN,
+    reduce-scatter after). With loss parallelism the logits stay sharded over the vocabulary."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    root_plan: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if model.norm is not None and sequence_parallel:
+        root_plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        root_plan["output"] = ColwiseParallel(
+            input_layouts=residual,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
         )
-
-
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh) -> None:
-    """FSDP2: one unit per block plus the root, gradients reduced in fp32."""
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    parallelize_module(model, tp_mesh, root_plan)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+        plan: dict[str, object] = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=residual),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        }
+        if sequence_parallel:
+            plan |= {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                desired_input_layouts=(Replicate(), None)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                   desired_input_layouts=(Replicate(),)),
+            }
+        parallelize_module(block, tp_mesh, plan)
+
+
+# Ops whose outputs selective activation checkpointing keeps: the expensive ones to recompute.
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _keep_expensive_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(model: Transformer, mode: str) -> None:
+    """Wrap every block: `full` recomputes the whole block in backward, `selective` keeps the
+    outputs of matmuls and attention and recomputes the cheap element-wise ops."""
+    for key, block in list(model.layers.items()):
+        if mode == "full":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            context = partial(create_selective_checkpoint_contexts, _keep_expensive_ops)
+            wrapped = checkpoint_wrapper(block, context_fn=context, preserve_rng_state=False)
+        model.layers[key] = wrapped
+
+
+def apply_compile(model: Transformer) -> None:
+    """Compile each block separately: blocks are identical, so one graph serves them all."""
+    for key, block in list(model.layers.items()):
+        model.layers[key] = torch.compile(block, fullgraph=True)
+
+
+def apply_fsdp(model: nn.Module, fsdp_mesh: DeviceMesh, param_dtype: torch.dtype,
+               reshard_after_forward: bool) -> None:
+    """FSDP2 (or HSDP on a 2-D mesh): one unit per block plus the root. Parameters are
+    gathered in `param_dtype` for compute, gradients reduced in fp32, and the sharded fp32
+    parameters -- and so the optimizer state -- stay fp32."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

@@ -4,3 +4,5 @@ Prefect, and their thin Prefect task wrappers (prefect_tasks.py)."""
 from forgeline.tasks.runtime import apply_env_defaults
 
 apply_env_defaults()
+
+STAGES = ("data", "train", "eval", "register")  # in the order they run

@@ -41,9 +41,11 @@ def replace_dir(tmp: Path, final: Path) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """Write `path` whole or not at all; concurrent writers (launchers of several nodes on a
+    shared filesystem) each rename their own temporary file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

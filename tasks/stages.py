@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from mlflow import MlflowClient
 
 from forgeline.configs import Config
 from forgeline.model.data import MANIFEST_NAME
+from forgeline.model.parallel import resolve_precision
+from forgeline.tasks import STAGES
 from forgeline.tasks.data import DataResult, build_dataset
 from forgeline.tasks.evaluate import METRICS_NAME, EvalResult, evaluate_model, read_eval_metrics
 from forgeline.tasks.register import RegisterResult, register_model
@@ -17,7 +20,7 @@ from forgeline.tasks.tracking import RunTracker, dvc_hash, resolve_tracking_uri,
 from forgeline.tasks.train import SUMMARY_NAME, TrainResult, read_train_summary, train_model
 
 DATA_VERSION_TAG = "forgeline.data.dvc_md5"
-UPSTREAM = {"data": (), "train": ("data",), "eval": ("data", "train"), "register": ("data", "train", "eval")}
+UPSTREAM = {stage: STAGES[:index] for index, stage in enumerate(STAGES)}
 
 
 class MissingInputError(FileNotFoundError):
@@ -31,6 +34,14 @@ def stage_output_marker(stage: str, cfg: Config) -> Path:
         "train": Path(cfg.train.out_dir) / SUMMARY_NAME,
         "eval": Path(cfg.eval.out_dir) / METRICS_NAME,
     }[stage]
+
+
+def preflight(cfg: Config, stages: tuple[str, ...]) -> None:
+    """What can be checked before any work when `stages` run in order: the first one's
+    upstream outputs exist, and the training precision suits this machine."""
+    check_stage_inputs(stages[0], cfg)
+    if "train" in stages:
+        resolve_precision(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def check_stage_inputs(stage: str, cfg: Config) -> None:

@@ -18,6 +18,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 import yaml
 
 from forgeline.configs import Config
@@ -25,6 +26,7 @@ from forgeline.configs.schema import resume_fingerprint
 from forgeline.model.checkpoint import committed_checkpoints, latest_valid_checkpoint
 from forgeline.model.data import MANIFEST_NAME, read_manifest
 from forgeline.model.fileio import sha256_file
+from forgeline.model.parallel import resolve_precision
 from forgeline.tasks.atomic import write_text_atomic
 from forgeline.tasks.launch import LaunchError, run_streaming
 from forgeline.tasks.tracking import resolve_tracking_uri
@@ -48,6 +50,7 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
     """Run the train stage; step metrics go to `mlflow_run_id` when given."""
     data_dir = Path(cfg.data.out_dir)
     read_manifest(data_dir)  # fail before launching anything if the data stage has not run
+    resolve_precision(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
     out_dir = Path(cfg.train.out_dir)
     checkpoint_root = out_dir / "checkpoints"
     fingerprint = resume_fingerprint(cfg, sha256_file(data_dir / MANIFEST_NAME))
@@ -95,10 +98,18 @@ def discard_foreign_checkpoints(root: Path, fingerprint: str) -> None:
 
 
 def torchrun_command(cfg: Config, config_path: Path, mlflow_run_id: str | None) -> list[str]:
+    """One node's launcher: standalone on one node, else a c10d rendezvous that every node's
+    launcher joins (node ranks are assigned by the rendezvous)."""
+    par = cfg.parallel
+    if par.nnodes == 1:
+        rendezvous = ["--standalone"]
+    else:
+        rendezvous = [f"--nnodes={par.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={par.rdzv_endpoint}",
+                      f"--rdzv-id=forgeline-{cfg.section_hash()[:12]}"]
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={cfg.parallel.world_size}",
+        *rendezvous,
+        f"--nproc-per-node={par.nproc_per_node}",
         f"--max-restarts={cfg.train.max_restarts}",
         "-m", "forgeline.model.train",
         "--config", str(config_path),
@@ -111,7 +122,7 @@ def torchrun_command(cfg: Config, config_path: Path, mlflow_run_id: str | None) 
 def launch_env(cfg: Config) -> dict[str, str]:
     env = dict(os.environ)
     # ranks x threads <= cores: oversubscribed CPU ranks slow every collective down.
-    threads = max(1, (os.cpu_count() or 1) // cfg.parallel.world_size)
+    threads = max(1, (os.cpu_count() or 1) // cfg.parallel.nproc_per_node)
     env.setdefault("OMP_NUM_THREADS", str(threads))
     # torch 2.13's torchrun reuses the rendezvous TCP store across restarts, and restarted
     # gloo ranks then fail to connect; a fresh store per restart fixes it.

@@ -81,9 +81,9 @@ def test_killed_rank_is_restarted_and_resumes_from_the_latest_checkpoint(
 
 def test_fsdp_x_tp_layout_trains_and_its_checkpoint_loads_in_one_process(
         data_root: Path, tmp_path: Path) -> None:
-    cfg = config(data_root, tmp_path, "parallel.dp=2", "parallel.tp=2")
+    cfg = config(data_root, tmp_path, "parallel.dp_shard=2", "parallel.tp=2")
     result = train_model(cfg)
-    assert result.layout == {"dp": 2, "tp": 2, "world_size": 4}
+    assert result.layout["dp_shard"] == 2 and result.layout["tp"] == 2 and result.layout["world_size"] == 4
     model = load_from_checkpoint(result.checkpoint)  # resharded onto one plain module
     logits = model(torch.zeros(1, 8, dtype=torch.long))
     assert torch.isfinite(logits).all()

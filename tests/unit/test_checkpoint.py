@@ -32,11 +32,11 @@ def process_group(tmp_path: Path) -> Iterator[None]:
 def trained_state(seed: int) -> tuple[Transformer, torch.optim.Optimizer, dict]:
     torch.manual_seed(seed)
     model = Transformer(ARGS)
-    model.init_weights()
+    model.init_weights(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randint(0, 50, (2, 8))).sum().backward()
     optimizer.step()
-    return model, optimizer, {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
+    return model, optimizer, {"model": ModelState([model]), "optim": OptimizerState([model], [optimizer])}
 
 
 def save_steps(root: Path, steps: list[int], keep_last: int = 5) -> CheckpointManager:

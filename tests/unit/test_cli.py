@@ -5,12 +5,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from forgeline.flows.cli import STAGE_NAMES, main
+from forgeline.configs import load_config
+from forgeline.flows.cli import main
+from forgeline.tasks import STAGES
 
 FORGELINE = str(Path(sys.executable).parent / "forgeline")
 
 
-@pytest.mark.parametrize("verb", [[], ["run"], ["stage"], ["config"], ["config", "show"]],
+@pytest.mark.parametrize("verb", [[], ["run"], ["stage"], ["config"], ["config", "show"], ["plan"]],
                          ids=lambda v: " ".join(v) or "forgeline")
 def test_every_verb_has_help(verb: list[str]) -> None:
     done = subprocess.run([FORGELINE, *verb, "--help"], capture_output=True, text=True, timeout=60)
@@ -20,7 +22,7 @@ def test_every_verb_has_help(verb: list[str]) -> None:
 
 def test_stage_help_lists_the_four_stages() -> None:
     done = subprocess.run([FORGELINE, "stage", "--help"], capture_output=True, text=True, timeout=60)
-    assert all(name in done.stdout for name in STAGE_NAMES)
+    assert all(name in done.stdout for name in STAGES)
 
 
 def test_bad_config_fails_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -57,3 +59,22 @@ def test_stage_without_its_upstream_output_fails_before_any_work(
     assert "stage 'eval' reads the output of data, train, which is missing" in err
     assert "run `forgeline stage data` first" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_writes_a_config_the_launch_takes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "planned.yaml"
+    assert main(["plan", "--config", "tiny.yaml", "--nodes", "1", "--accelerators-per-node", "8",
+                 "--memory-gib", "80", "--write-config", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert "layout                  TP=1 PP=1 DP=8" in report and "Young" in report
+    planned = load_config(out)
+    assert (planned.parallel.tp, planned.parallel.pp, planned.parallel.dp_shard) == (1, 1, 8)
+    assert planned.model == load_config("tiny.yaml").model
+
+
+def test_plan_across_nodes_needs_a_rendezvous(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--params", "10e9", "--nodes", "32", "--accelerators-per-node", "8",
+                 "--memory-gib", "40", "--global-batch", "512", "--microbatches", "16",
+                 "--write-config", str(tmp_path / "p.yaml")]) == 2
+    assert "pass --set parallel.rdzv_endpoint=HOST:PORT" in capsys.readouterr().err
+    assert not (tmp_path / "p.yaml").exists()

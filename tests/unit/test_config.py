@@ -31,7 +31,7 @@ def test_every_field_is_documented() -> None:
 
 
 def test_override_sets_typed_values() -> None:
-    cfg = load_config("tiny.yaml", ["train.lr=3e-4", "parallel.dp=2", "eval.tasks=[a, b]"])
+    cfg = load_config("tiny.yaml", ["train.lr=3e-4", "parallel.dp_shard=2", "eval.tasks=[a, b]"])
     assert cfg.train.lr == 3e-4 and cfg.parallel.dp == 2 and cfg.eval.tasks == ["a", "b"]
 
 
@@ -60,8 +60,8 @@ def test_malformed_override() -> None:
 
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.tp=3"], "parallel.tp=3 must divide model.n_heads=8 and model.n_kv_heads=4"),
-    (["train.global_batch_size=10", "parallel.dp=4"],
-     "global_batch_size=10 must be divisible by parallel.dp=4"),
+    (["train.global_batch_size=10", "parallel.dp_shard=4"],
+     "global_batch_size=10 must be divisible by dp_replicate*dp_shard*grad_accum_steps = 1*4*1 = 4"),
     (["model.n_kv_heads=3"], "n_kv_heads=3 must divide n_heads=8"),
     (["model.max_seq_len=64"], "model.max_seq_len=64 must be >= data.seq_len=128"),
     (["train.warmup_steps=300"], "warmup_steps=300 must be smaller than steps=300"),

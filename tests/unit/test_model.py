@@ -11,7 +11,7 @@ def build(seed: int = 0, args: ModelArgs = ARGS) -> Transformer:
         model = Transformer(args)
     model.to_empty(device="cpu")
     torch.manual_seed(seed)
-    model.init_weights()
+    model.init_weights(seed)
     return model
 
 

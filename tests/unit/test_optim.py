@@ -1,10 +1,13 @@
 import math
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from forgeline.configs import load_config
+from forgeline.model.amp import DynamicLossScaler
 from forgeline.model.llama import ModelArgs, Transformer
-from forgeline.model.optim import build_lr_scheduler, build_optimizer, warmup_cosine
+from forgeline.model.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, warmup_cosine
 
 
 def test_warmup_then_cosine_to_min_ratio() -> None:
@@ -36,3 +39,38 @@ def test_norm_gains_are_not_decayed() -> None:
     decayed, plain = build_optimizer(model, cfg.train).param_groups
     assert all(p.ndim == 2 for p in decayed["params"]) and decayed["weight_decay"] > 0
     assert all(p.ndim == 1 for p in plain["params"]) and plain["weight_decay"] == 0
+
+
+def test_clip_matches_torch_on_plain_tensors() -> None:
+    torch.manual_seed(0)
+    ours, reference = (Transformer(ModelArgs(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1,
+                                             ffn_dim=8)) for _ in range(2))
+    ours.init_weights(0)
+    reference.load_state_dict(ours.state_dict())
+    tokens = torch.randint(0, 16, (2, 5))
+    for model in (ours, reference):
+        (model(tokens).square().sum() * 100).backward()
+    norm = clip_grad_norm_(ours.parameters(), 0.5)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    assert norm.item() == pytest.approx(expected.item(), rel=1e-6)
+    for a, b in zip(ours.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_loss_scaler_backs_off_on_overflow_and_grows_after_clean_steps(tmp_path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        scaler = DynamicLossScaler(init_scale=8.0, growth_interval=2)
+        param = torch.nn.Parameter(torch.ones(3))
+        param.grad = torch.tensor([8.0, 16.0, 24.0])
+        assert scaler.unscale_([param], torch.device("cpu")) is False
+        torch.testing.assert_close(param.grad, torch.tensor([1.0, 2.0, 3.0]))
+        param.grad = torch.tensor([1.0, float("inf"), 0.0])
+        assert scaler.unscale_([param], torch.device("cpu")) is True
+    finally:
+        dist.destroy_process_group()
+    scaler.update(found_inf=True)
+    assert scaler.scale == 4.0
+    scaler.update(found_inf=False)
+    scaler.update(found_inf=False)
+    assert scaler.scale == 8.0 and scaler.state_dict() == {"scale": 8.0, "good_steps": 0}
