@@ -42,18 +42,39 @@ def resolve_config_path(path: str | Path | None) -> Path:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read YAML, apply overrides, validate. Raises ConfigError with an actionable message."""
     config_path = resolve_config_path(path)
-    try:
-        raw = yaml.safe_load(config_path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{config_path}: not valid YAML: {err}") from err
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{config_path}: top level must be a mapping of sections")
+    raw = read_raw(config_path)
     for override in overrides:
         apply_override(raw, override)
     try:
         return Config.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, config_path)) from None
+
+
+def read_raw(config_path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The YAML mapping, with `inherit: OTHER.yaml` resolved: the named config (a path relative
+    to this file, or a shipped name) is read first and this file's keys replace its keys,
+    section by section."""
+    try:
+        raw = yaml.safe_load(config_path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{config_path}: not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{config_path}: top level must be a mapping of sections")
+    parent = raw.pop("inherit", None)
+    if parent is None:
+        return raw
+    if config_path.resolve() in seen:
+        raise ConfigError(f"{config_path}: `inherit` loops back to itself")
+    sibling = config_path.parent / parent
+    base = read_raw(sibling if sibling.is_file() else resolve_config_path(parent),
+                    seen + (config_path.resolve(),))
+    for section, values in raw.items():
+        if isinstance(values, dict) and isinstance(base.get(section), dict):
+            base[section] = base[section] | values
+        else:
+            base[section] = values
+    return base
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:

@@ -1,6 +1,7 @@
 """Typed, validated run configuration.
 
-One YAML file per run (see ``configs/*.yaml``) with the sections below. Every field is
+One YAML file per run (see ``configs/*.yaml``) with the sections below; a file may start
+with ``inherit: OTHER.yaml`` and then give only the keys it changes. Every field is
 documented once, here, by the string under it; ``forgeline config show --docs`` prints
 them. Unknown keys and invalid values fail before any work starts.
 """

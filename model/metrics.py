@@ -1,6 +1,7 @@
 """Training metrics: throughput, MFU, memory, per-rank step times (to name stragglers), sent
 to MLflow asynchronously -- the loop never waits on the tracking store -- and printed as a
-progress line, from global rank 0."""
+progress line, from global rank 0. Every step is recorded; they are sent once per log
+interval, one batch per interval rather than one write per step."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from mlflow.entities import Metric
 log = logging.getLogger(__name__)
 
 STRAGGLER_RATIO = 1.2  # a rank this much slower than the median is named
+MAX_METRICS_PER_BATCH = 1000  # MLflow's limit per log_batch request
 
 
 def measure_peak_flops(device: torch.device, size: int = 2048, repeats: int = 5) -> float:
@@ -62,6 +64,7 @@ class MetricsLogger:
         self.hosts = _gather_hostnames()
         self._interval_time = 0.0
         self._interval_steps = 0
+        self._buffer: list[Metric] = []
         self._pending = []
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
@@ -79,9 +82,9 @@ class MetricsLogger:
             return
         if self.client is not None:
             now = int(time.time() * 1000)
-            batch = [Metric(key, float(value), now, step) for key, value in metrics.items()]
-            self._pending.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
+            self._buffer += [Metric(key, float(value), now, step) for key, value in metrics.items()]
         if at_interval:
+            self._send()
             log.info("%s step %d/%d  %s", _bar(step, self.total_steps), step, self.total_steps,
                      "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()))
 
@@ -100,8 +103,17 @@ class MetricsLogger:
                         median)
         return {"step_time_max_s": times[slowest], "step_time_median_s": median}
 
+    def _send(self) -> None:
+        if self.client is None:
+            return
+        for start in range(0, len(self._buffer), MAX_METRICS_PER_BATCH):
+            chunk = self._buffer[start:start + MAX_METRICS_PER_BATCH]
+            self._pending.append(self.client.log_batch(self.run_id, metrics=chunk, synchronous=False))
+        self._buffer = []
+
     def close(self) -> None:
-        """Wait until every queued metric reached the tracking store."""
+        """Send what is buffered and wait until every metric reached the tracking store."""
+        self._send()
         for operation in self._pending:
             operation.wait()
         self._pending.clear()

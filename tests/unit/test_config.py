@@ -74,7 +74,8 @@ def test_inconsistent_values_fail_with_the_numbers(overrides: list[str], message
 
 
 def test_missing_config_file_lists_the_shipped_ones(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="not found; shipped configs: debug.yaml, tiny.yaml"):
+    shipped = "debug.yaml, tiny-single.yaml, tiny.yaml"
+    with pytest.raises(ConfigError, match=f"not found; shipped configs: {shipped}"):
         load_config(tmp_path / "nope.yaml")
 
 
@@ -90,3 +91,18 @@ def test_section_hash_changes_only_with_its_section() -> None:
     other = load_config("tiny.yaml", ["eval.limit=5"])
     assert base.section_hash("data", "model") == other.section_hash("data", "model")
     assert base.section_hash("eval") != other.section_hash("eval")
+
+
+def test_inherit_replaces_keys_section_by_section(tmp_path: Path) -> None:
+    child = tmp_path / "child.yaml"
+    child.write_text("inherit: tiny.yaml\ntrain:\n  steps: 7\n  warmup_steps: 2\n")
+    cfg, base = load_config(child), load_config("tiny.yaml")
+    assert cfg.train.steps == 7 and cfg.train.lr == base.train.lr and cfg.model == base.model
+    assert load_config("tiny-single.yaml").parallel.world_size == 1
+
+
+def test_inherit_loop_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("inherit: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("inherit: a.yaml\n")
+    with pytest.raises(ConfigError, match="loops back to itself"):
+        load_config(tmp_path / "a.yaml")
