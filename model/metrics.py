@@ -95,13 +95,12 @@ class MetricsLogger:
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine)
         times = [t.item() for t in gathered]
-        slowest = max(range(len(times)), key=times.__getitem__)
         median = statistics.median(times)
-        if self.rank == 0 and len(times) > 1 and times[slowest] > STRAGGLER_RATIO * median:
+        slow = straggler(times)
+        if self.rank == 0 and slow is not None:
             log.warning("straggler: rank %d on %s averages %.3fs per step, %.0f%% above the median %.3fs",
-                        slowest, self.hosts[slowest], times[slowest], 100 * (times[slowest] / median - 1),
-                        median)
-        return {"step_time_max_s": times[slowest], "step_time_median_s": median}
+                        slow, self.hosts[slow], times[slow], 100 * (times[slow] / median - 1), median)
+        return {"step_time_max_s": max(times), "step_time_median_s": median}
 
     def _send(self) -> None:
         if self.client is None:
@@ -117,6 +116,14 @@ class MetricsLogger:
         for operation in self._pending:
             operation.wait()
         self._pending.clear()
+
+
+def straggler(step_times: list[float], ratio: float = STRAGGLER_RATIO) -> int | None:
+    """The rank whose mean step time exceeds the median of all ranks by `ratio`, if any."""
+    slowest = max(range(len(step_times)), key=step_times.__getitem__)
+    if step_times[slowest] > ratio * statistics.median(step_times):
+        return slowest
+    return None
 
 
 def _gather_hostnames() -> list[str]:

@@ -2,6 +2,7 @@ import torch
 
 from forgeline.model.inference import generate
 from forgeline.model.llama import ModelArgs, Transformer
+from forgeline.model.metrics import straggler
 
 ARGS = ModelArgs(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 
@@ -54,3 +55,15 @@ def test_greedy_generation_is_deterministic_and_stops() -> None:
     assert len(first) == 8
     assert generate(model, [1, 2, 3], max_new_tokens=8, stop=lambda new: len(new) == 3) == first[:3]
     assert generate(model, [1, 2, 3], max_new_tokens=8, stop_token=first[0]) == []
+
+
+def test_training_flops_count_matmuls_and_attention() -> None:
+    args = ModelArgs(vocab_size=100, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=32)
+    matmul_weights = args.num_params() - 100 * 16 - (2 * 2 + 1) * 16  # no embedding table, no norms
+    assert args.flops_per_token(seq_len=64) == 6 * matmul_weights + 12 * 2 * 16 * 64
+
+
+def test_a_rank_well_above_the_median_is_named_a_straggler() -> None:
+    assert straggler([0.10, 0.11, 0.10, 0.30]) == 3
+    assert straggler([0.10, 0.11, 0.10, 0.115]) is None
+    assert straggler([0.2]) is None
