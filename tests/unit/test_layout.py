@@ -41,7 +41,7 @@ from forgeline.model.pipeline import layer_ranges, pipeline_split, stage_ids_of_
 ])
 def test_invalid_layouts_fail_before_launch_naming_the_numbers(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
-        load_config("tiny.yaml", overrides)
+        load_config("tiny-single.yaml", overrides)
     assert message in str(err.value)
 
 
