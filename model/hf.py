@@ -1,0 +1,235 @@
+"""Conversion between forgeline's Transformer and Hugging Face `LlamaForCausalLM`.
+
+Both are the same network: pre-norm blocks with RMSNorm (computed in fp32, the gain applied after
+casting back), grouped-query attention scaled by head_dim**-0.5, SwiGLU feed-forward, untied
+output projection. Parameter names map one to one:
+
+    tok_embeddings.weight                 model.embed_tokens.weight
+    layers.{i}.attention_norm.weight      model.layers.{i}.input_layernorm.weight
+    layers.{i}.attention.w{q,k,v,o}       model.layers.{i}.self_attn.{q,k,v,o}_proj
+    layers.{i}.ffn_norm.weight            model.layers.{i}.post_attention_layernorm.weight
+    layers.{i}.feed_forward.w1 / w3 / w2  model.layers.{i}.mlp.gate_proj / up_proj / down_proj
+    norm.weight                           model.norm.weight
+    output.weight                         lm_head.weight
+
+One thing differs: the rotary embedding's channel pairing. forgeline rotates interleaved pairs
+(2k, 2k+1) of each head; Hugging Face rotates channel k with channel k + head_dim/2 (rotate_half).
+Export therefore permutes the output rows of wq and wk within each head, so that new row
+a * head_dim/2 + k holds old row 2k + a (a in {0, 1}), as transformers'
+convert_llama_weights_to_hf `permute` does; import applies the inverse. Attention scores are
+unchanged because q and k are permuted alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from forgeline.model.fileio import fsync_path
+from forgeline.model.llama import ModelArgs, Transformer
+
+log = logging.getLogger(__name__)
+
+HF_WEIGHTS = "model.safetensors"
+_LAYER_NAMES = {  # forgeline name within a block -> Hugging Face name within a decoder layer
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+}
+
+
+def _hf_names(n_layers: int) -> dict[str, str]:
+    """forgeline parameter name -> Hugging Face parameter name, for a whole model."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight"}
+    for i in range(n_layers):
+        names |= {f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in _LAYER_NAMES.items()}
+    return names | {"norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def _interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of wq/wk (n_heads * head_dim, dim): pairs (2k, 2k+1) -> pairs (k, k + head_dim/2)."""
+    return w.unflatten(0, (n_heads, -1, 2)).transpose(1, 2).reshape(w.shape)
+
+
+def _half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of `_interleaved_to_half`."""
+    return w.unflatten(0, (n_heads, 2, -1)).transpose(1, 2).reshape(w.shape)
+
+
+def _heads(name: str, args: ModelArgs) -> int | None:
+    """Number of heads whose rows need the rotary permutation, None for other parameters."""
+    if name.endswith("attention.wq.weight"):
+        return args.n_heads
+    if name.endswith("attention.wk.weight"):
+        return args.n_kv_heads
+    return None
+
+
+def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """A full (unsharded) forgeline model's weights under `LlamaForCausalLM` names."""
+    ours = model.state_dict()
+    out = {}
+    for name, hf_name in _hf_names(model.args.n_layers).items():
+        heads = _heads(name, model.args)
+        out[hf_name] = ours[name] if heads is None else _interleaved_to_half(ours[name], heads)
+    return out
+
+
+def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """`LlamaForCausalLM` weights -> a forgeline state dict. Without `lm_head.weight` (tied
+    embeddings) the output projection is a copy of the embedding."""
+    sd = dict(sd)
+    sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
+    out = {}
+    for name, hf_name in _hf_names(args.n_layers).items():
+        heads = _heads(name, args)
+        out[name] = sd.pop(hf_name) if heads is None else _half_to_interleaved(sd.pop(hf_name), heads)
+    out["output.weight"] = out["output.weight"].clone()  # never shares storage with the embedding
+    leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
+    if leftover:
+        raise ValueError(f"Hugging Face weights forgeline has no place for: {leftover[:5]}")
+    return out
+
+
+def hf_config(args: ModelArgs, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.ffn_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=args.max_seq_len,
+        rms_norm_eps=args.norm_eps,
+        rope_theta=args.rope_theta,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def export_hf(model: Transformer, tokenizer_dir: str | Path, out_dir: Path) -> Path:
+    """Write `out_dir` so that `AutoModelForCausalLM` and `AutoTokenizer` load it offline:
+    config.json, generation_config.json, model.safetensors and the tokenizer files. Written to a
+    temporary sibling and renamed into place; an existing non-empty `out_dir` is never touched."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty; remove it or export elsewhere")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
+    if len(tokenizer) > model.args.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer_dir} has {len(tokenizer)} tokens but the model's "
+                         f"vocab_size is {model.args.vocab_size}")
+    config = hf_config(model.args, tokenizer)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0o700 would make the export private to this user
+    try:
+        weights = {k: v.detach().float().cpu().contiguous() for k, v in to_hf_state_dict(model).items()}
+        save_file(weights, tmp / HF_WEIGHTS, metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above); rmdir fails if something appeared since
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_path(out_dir.parent)
+    log.info("exported Hugging Face Llama model to %s", out_dir)
+    return out_dir
+
+
+def _check_supported(config: PretrainedConfig) -> float:
+    """Raise ValueError naming the first config field forgeline cannot represent; returns
+    rope_theta."""
+    if config.model_type != "llama":
+        raise ValueError(f"model_type is {config.model_type!r}; only 'llama' can be imported")
+    for field in ("attention_bias", "mlp_bias"):
+        if getattr(config, field, False):
+            raise ValueError(f"{field}=True is not supported (forgeline's linear layers have no bias)")
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (SwiGLU uses 'silu')")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim * config.num_attention_heads != config.hidden_size:
+        raise ValueError(f"head_dim={head_dim} is not hidden_size / num_attention_heads = "
+                         f"{config.hidden_size} / {config.num_attention_heads}")
+    # transformers 5 keeps rope_type and rope_theta in rope_parameters; 4 has rope_scaling + rope_theta.
+    rope = getattr(config, "rope_parameters", None)
+    if rope is None:
+        if config.rope_scaling is not None:
+            raise ValueError(f"rope_scaling={config.rope_scaling} is not supported (only None)")
+        return config.rope_theta
+    if rope.get("rope_type", "default") != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"rope_parameters={rope} is not supported: only plain RoPE (rope_type 'default', "
+                         "no rope_scaling)")
+    return rope["rope_theta"]
+
+
+def model_args_from_hf(config: PretrainedConfig) -> ModelArgs:
+    rope_theta = _check_supported(config)
+    return ModelArgs(
+        vocab_size=config.vocab_size,
+        dim=config.hidden_size,
+        n_layers=config.num_hidden_layers,
+        n_heads=config.num_attention_heads,
+        n_kv_heads=config.num_key_value_heads,
+        ffn_dim=config.intermediate_size,
+        norm_eps=config.rms_norm_eps,
+        rope_theta=rope_theta,
+        max_seq_len=config.max_position_embeddings,
+    )
+
+
+def import_hf(source: str | Path | PreTrainedModel, device: torch.device | str = "cpu",
+              **from_pretrained_kwargs) -> tuple[Transformer, ModelArgs]:
+    """A Hugging Face Llama checkpoint -> a forgeline Transformer (fp32, eval mode) computing the
+    same logits, and its ModelArgs.
+
+    Args:
+        source: a loaded `LlamaForCausalLM`, or a directory `from_pretrained` loads.
+        device: where the forgeline model's weights go.
+        from_pretrained_kwargs: passed to `from_pretrained` for a directory, e.g. `gguf_file`.
+    """
+    if isinstance(source, PreTrainedModel):
+        hf_model = source
+        args = model_args_from_hf(hf_model.config)
+    else:
+        # Validate the config before loading any weights.
+        args = model_args_from_hf(AutoConfig.from_pretrained(str(source), **from_pretrained_kwargs))
+        hf_model = AutoModelForCausalLM.from_pretrained(str(source), **from_pretrained_kwargs)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    model.init_buffers()
+    model.load_state_dict(from_hf_state_dict(hf_model.state_dict(), args))
+    return model.eval(), args
