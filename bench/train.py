@@ -13,10 +13,8 @@ measured in the same run. Writes bench/results/train.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from mlflow import MlflowClient
+from results_file import write_results  # bench/, the script's own directory
 
 import forgeline.tasks  # noqa: F401  (forgeline's env defaults before torch/mlflow)
 from forgeline.configs import Config, load_config
@@ -126,11 +125,7 @@ def main() -> None:
         "plain_loop_mfu": round(flops_per_token * plain_tps / peak, 4),
         "trainer_mfu": round(flops_per_token * trainer_tps / peak, 4),
     }
-    out = Path(__file__).parent / "results" / "train.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    json.dump(results, sys.stdout, indent=2)
-    print()
+    write_results("train", results)
 
 
 if __name__ == "__main__":

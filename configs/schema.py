@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -227,6 +227,16 @@ class ParallelConfig(Section):
                              f"max(1, pp_microbatches // pp) = {rounds}; got {mbs}")
 
 
+class CallbackSpec(Section):
+    """A loop callback by import path, with keyword arguments."""
+
+    path: str = Field(pattern=r"^[\w.]+:\w+$")
+    """`package.module:ClassName`, a subclass of forgeline.model.train.Callback."""
+
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for its constructor."""
+
+
 class TrainConfig(Section):
     """Train stage: AdamW with linear warmup and cosine decay, launched with torchrun."""
 
@@ -284,8 +294,36 @@ class TrainConfig(Section):
     """torchrun in-job restarts after a rank fails; each restart resumes from the latest
     checkpoint."""
 
+    job_retries: int = Field(1, ge=0)
+    """Retries of the whole train stage (Prefect task retries, exponential backoff) after the
+    in-job restarts are used up; each resumes into the same MLflow run."""
+
     timeout_s: PositiveInt = 3600
     """Wall-clock limit of the torchrun job; on expiry its whole process group is killed."""
+
+    hang_timeout_s: int = Field(600, ge=0)
+    """A rank that makes no step progress for this long dumps every thread's stack and exits,
+    so the restart path takes over; 0 disables the watchdog."""
+
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms: with it, a resumed run is bit-identical to an
+    uninterrupted one in the same layout."""
+
+    spike_zscore: float = Field(6.0, ge=0)
+    """A loss this many standard deviations above the mean of the last `spike_window` steps
+    rolls back to the last checkpoint and skips the data since; 0 disables."""
+
+    spike_window: int = Field(50, ge=5)
+    """Steps of loss history the spike test compares against."""
+
+    max_nonfinite_steps: PositiveInt = 3
+    """Consecutive steps with a non-finite loss or gradient (each skipped) before rolling back."""
+
+    max_rollbacks: int = Field(3, ge=0)
+    """Rollbacks a run may take before it fails with a report of its instability events."""
+
+    callbacks: list[CallbackSpec] = Field(default_factory=list)
+    """Extra loop callbacks, e.g. [{path: "my_pkg.callbacks:Profiler", args: {every: 100}}]."""
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> TrainConfig:
@@ -297,13 +335,27 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """Sharded torch.distributed.checkpoint saves under `<train.out_dir>/checkpoints`."""
+    """Sharded torch.distributed.checkpoint saves under `<train.out_dir>/checkpoints`,
+    committed with a sha256 manifest; never overwritten."""
 
     every_steps: PositiveInt = 100
     """Save every this many steps; the final step is always saved."""
 
     keep_last: PositiveInt = 2
-    """Committed checkpoints kept; older ones are deleted after a newer one commits."""
+    """Committed checkpoints kept on local disk; older ones are deleted after a newer one commits
+    (except every `keep_every`-th)."""
+
+    keep_every: int = Field(0, ge=0)
+    """Steps that are multiples of this are kept permanently; 0 keeps none beyond keep_last."""
+
+    async_save: bool = True
+    """Write in the background (dcp.async_save): the loop blocks only while the state is copied;
+    at most one save is in flight."""
+
+    persistent_url: str = ""
+    """fsspec URL (file:///..., s3://bucket/prefix) each committed checkpoint is uploaded to in
+    the background; resume pulls from it when the local copy is missing. Empty: local only.
+    For s3, credentials and endpoint come from the usual AWS environment variables."""
 
 
 class EvalConfig(Section):
@@ -411,7 +463,8 @@ class Config(Section):
 
 # Train fields that change how a job runs, not what it computes: a checkpoint written under
 # other values of these can still be resumed.
-OPERATIONAL_TRAIN_FIELDS = frozenset({"out_dir", "log_every", "max_restarts", "timeout_s", "peak_tflops"})
+OPERATIONAL_TRAIN_FIELDS = frozenset({"out_dir", "log_every", "max_restarts", "job_retries", "timeout_s",
+                                      "hang_timeout_s", "peak_tflops", "callbacks"})
 
 
 def resume_fingerprint(cfg: Config, data_manifest_sha256: str) -> str:

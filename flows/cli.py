@@ -4,6 +4,7 @@
     forgeline stage {data,train,eval,register} [--config PATH] [--set ...]
     forgeline config show [--config PATH] [--set ...] [--docs]
     forgeline plan --nodes N --accelerators-per-node K --memory-gib G [...] [--write-config OUT]
+    forgeline checkpoints {list,verify,rollback,export} [...]
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -57,7 +59,33 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--docs", action="store_true",
                       help="print every section and field with its default and meaning instead")
     add_plan_parser(verbs)
+    add_checkpoints_parser(verbs)
     return parser
+
+
+def add_checkpoints_parser(verbs: argparse._SubParsersAction) -> None:
+    checkpoints = verbs.add_parser(
+        "checkpoints", help="list, verify, roll back or export checkpoint versions",
+        description="Operate on the committed checkpoints under <train.out_dir>/checkpoints (or --dir).")
+    actions = checkpoints.add_subparsers(dest="checkpoints_verb", required=True, metavar="ACTION")
+
+    def action(name: str, help_text: str) -> argparse.ArgumentParser:
+        sub = actions.add_parser(name, help=help_text, description=help_text)
+        add_config_arguments(sub)
+        sub.add_argument("--dir", help="checkpoint directory (default: <train.out_dir>/checkpoints)")
+        return sub
+
+    action("list", "committed checkpoints, newest first")
+    action("verify", "check every file against its manifest's sha256; exit 1 if any fails").add_argument(
+        "step", nargs="?", type=int, help="one step (default: all)")
+    action("rollback", "make STEP the latest: newer versions move, intact, into rolled-back-<time>/ "
+                       "and the next train run resumes from STEP").add_argument("step", type=int)
+    export = action("export", "write STEP as a forgeline inference bundle or a Hugging Face Llama directory")
+    export.add_argument("step", type=int)
+    export.add_argument("--out", required=True, help="new directory to write")
+    export.add_argument("--format", choices=("bundle", "hf"), default="bundle",
+                        help="bundle: safetensors + architecture + tokenizer for forgeline; hf: a "
+                             "directory transformers' AutoModelForCausalLM.from_pretrained loads")
 
 
 def add_plan_parser(verbs: argparse._SubParsersAction) -> None:
@@ -99,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             return show_config(args)
         if args.verb == "plan":
             return plan_layout(args)
+        if args.verb == "checkpoints":
+            return manage_checkpoints(args)
         cfg_source = (args.config, args.overrides)
         cfg = load_config(*cfg_source)  # fail on bad input before Prefect starts
         from forgeline.tasks.stages import preflight
@@ -117,7 +147,7 @@ def show_config(args: argparse.Namespace) -> int:
         print(config_docs())
     else:
         cfg = load_config(args.config, args.overrides)
-        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+        print(yaml.safe_dump(cfg.model_dump(), sort_keys=False), end="")
     return 0
 
 
@@ -140,8 +170,47 @@ def plan_layout(args: argparse.Namespace) -> int:
     if args.write_config:
         planned = apply_plan(cfg, result)
         with open(args.write_config, "w") as f:
-            yaml.safe_dump(planned.model_dump(mode="json"), f, sort_keys=False)
+            yaml.safe_dump(planned.model_dump(), f, sort_keys=False)
         print(f"wrote {args.write_config}: run it with `forgeline run --config {args.write_config}`")
+    return 0
+
+
+def manage_checkpoints(args: argparse.Namespace) -> int:
+    from forgeline.model.checkpoint import CheckpointError
+
+    try:
+        return checkpoint_action(args)
+    except (CheckpointError, FileExistsError) as err:
+        print(f"forgeline: {err}", file=sys.stderr)
+        return 2
+
+
+def checkpoint_action(args: argparse.Namespace) -> int:
+    from forgeline.tasks import checkpoints
+
+    cfg = load_config(args.config, args.overrides)
+    root = Path(args.dir) if args.dir else Path(cfg.train.out_dir) / "checkpoints"
+    if args.checkpoints_verb == "list":
+        rows = checkpoints.list_checkpoints(root)
+        if not rows:
+            print(f"no committed checkpoints in {root}")
+        for row in rows:
+            print(f"step {row.step:>8}  loss {row.loss:7.4f}  tokens {row.tokens_seen:>12,}  "
+                  f"{row.layout:<28} {row.created}  {row.size_mb:8.1f} MB  {row.path}")
+        return 0
+    if args.checkpoints_verb == "verify":
+        results = checkpoints.verify(root, args.step)
+        for step, problems in results.items():
+            print(f"step {step:>8}  {'ok' if not problems else 'CORRUPT: ' + '; '.join(problems)}")
+        return 1 if any(results.values()) else 0
+    if args.checkpoints_verb == "rollback":
+        archive = checkpoints.rollback(root, args.step)
+        print(f"step {args.step} is the latest checkpoint; newer versions, if any, are kept in {archive}. "
+              "The next `forgeline stage train` (or run) resumes from it.")
+        return 0
+    tokenizer = Path(cfg.data.out_dir) / "tokenizer"
+    out = checkpoints.export(root, args.step, tokenizer, Path(args.out), args.format)
+    print(f"exported step {args.step} to {out}")
     return 0
 
 

@@ -8,7 +8,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from forgeline.configs import load_config
-from forgeline.tasks.prefect_tasks import data_task, eval_task, register_task, train_task
+from forgeline.tasks.prefect_tasks import data_task, eval_task, register_task, retrying_train_task
 from forgeline.tasks.tracking import tracked_run
 
 
@@ -28,7 +28,7 @@ def pipeline_flow(config: str | None = None, overrides: list[str] | None = None)
     prefect_tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_name": flow_run.name}
     with tracked_run(cfg, f"pipeline-{flow_run.name}", tags=prefect_tags) as parent:
         data_task(cfg, parent.run_id)
-        train_task(cfg, parent.run_id)
+        retrying_train_task(cfg)(cfg, parent.run_id)
         evaluation = eval_task(cfg, parent.run_id)
         registered = register_task(cfg, parent.run_id)
     return PipelineResult(run_id=parent.run_id, model_name=registered.model_name,

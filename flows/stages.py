@@ -9,7 +9,7 @@ from prefect import flow
 from forgeline.configs import load_config
 from forgeline.tasks.data import DataResult
 from forgeline.tasks.evaluate import EvalResult
-from forgeline.tasks.prefect_tasks import data_task, eval_task, register_task, train_task
+from forgeline.tasks.prefect_tasks import data_task, eval_task, register_task, retrying_train_task
 from forgeline.tasks.register import RegisterResult
 from forgeline.tasks.train import TrainResult
 
@@ -23,7 +23,8 @@ def data_flow(config: str | None = None, overrides: list[str] | None = None) -> 
 @flow(name="forgeline-train")
 def train_flow(config: str | None = None, overrides: list[str] | None = None) -> TrainResult:
     """torchrun training from the data stage's shards to a committed checkpoint."""
-    return train_task(load_config(config, overrides or []))
+    cfg = load_config(config, overrides or [])
+    return retrying_train_task(cfg)(cfg)
 
 
 @flow(name="forgeline-eval")

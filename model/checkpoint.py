@@ -1,11 +1,13 @@
 """Sharded checkpoints with torch.distributed.checkpoint and a commit protocol.
 
 A save goes to `.step-NNNNNNNN.partial/`; once every rank has written its shard, rank 0
-records the sha256 of every file in `forgeline-checkpoint.json`, fsyncs, and renames the
+records the sha256 of every file in `forgeline-checkpoint.json` together with the step, token
+count, parallel layout, config and data hashes and git commit, fsyncs, and renames the
 directory to `step-NNNNNNNN/`. A directory without a verifying manifest is not a checkpoint:
-resume skips it with a warning naming what is wrong.
+resume skips it with a warning naming what is wrong. Committed checkpoints are never
+overwritten.
 
-State is saved under constant top-level keys -- "model", "optim", "train" -- through
+State is saved under constant top-level keys -- "model", "optim", "train", "rng" -- through
 `get_state_dict`-style helpers, so any parallel layout can load it (and eval can load just
 "model" into a plain, unsharded module).
 """
@@ -15,18 +17,22 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import time
 import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -36,7 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from forgeline.configs.schema import CheckpointConfig
 from forgeline.model.fileio import fsync_path, sha256_file
+from forgeline.model.storage import PersistentTier
 
 log = logging.getLogger(__name__)
 
@@ -136,37 +144,109 @@ def latest_valid_checkpoint(root: Path) -> CheckpointInfo | None:
     return None
 
 
+class RNGState(Stateful):
+    """This rank's random number generators (Python, NumPy, torch CPU and CUDA), saved under a
+    key of its own rank; restored only into the same world size."""
+
+    def __init__(self, rank: int):
+        self.key = f"rank{rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return {self.key: state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict[self.key]
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class _InFlight:
+    step: int
+    partial: Path
+    final: Path
+    meta: dict[str, Any]
+    future: Future
+    started: float
+    blocked_s: float
+    committed: bool = False
+
+
 class CheckpointManager:
-    """Saves and restores training state under `root`, called on every rank."""
+    """Saves and restores training state under `root`; every method is called on every rank.
 
-    def __init__(self, root: Path, keep_last: int, rank: int, fingerprint: str):
+    Saves are asynchronous by default: `save` returns once the state is staged, the write goes
+    on in a background thread with its own process group (the loop's collectives must not
+    interleave with the save's), rank 0 commits it as soon as it is written (`poll`), and the
+    next save or `close` waits for it first.
+    """
+
+    def __init__(self, root: Path, cfg: CheckpointConfig, rank: int, world_size: int, fingerprint: str):
         self.root = root
-        self.keep_last = keep_last
+        self.cfg = cfg
         self.rank = rank
+        self.world_size = world_size
         self.fingerprint = fingerprint
+        self.async_group = dist.new_group(backend="gloo") if cfg.async_save else None
+        self.tier = None  # rank 0 alone commits, uploads and pulls
+        if cfg.persistent_url and rank == 0:
+            self.tier = PersistentTier(cfg.persistent_url, MANIFEST_NAME)
+            self.tier.sync([info.path for info in committed_checkpoints(root)])
+        self._in_flight: _InFlight | None = None
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
-        """Collective: every rank writes its shard, rank 0 commits. Returns the final path."""
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        self.wait()
         final = self.root / step_dir_name(step)
+        if final.exists():
+            raise CheckpointError(f"{final} exists: checkpoints are never overwritten")
         partial = self.root / f".{step_dir_name(step)}.partial"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)  # left over by a crash mid-save
         dist.barrier()
         started = time.perf_counter()
-        dcp.save(state, checkpoint_id=partial)
+        if self.cfg.async_save:
+            future = dcp.async_save(state, checkpoint_id=partial, process_group=self.async_group)
+        else:
+            future = Future()
+            future.set_result(dcp.save(state, checkpoint_id=partial))
+        self._in_flight = _InFlight(step, partial, final, meta, future, started,
+                                    blocked_s=time.perf_counter() - started)
+        if not self.cfg.async_save:
+            self.wait()
+
+    def poll(self) -> None:
+        """Commit the in-flight save once it is written (rank 0; no collective)."""
+        if self._in_flight is not None and self._in_flight.future.done():
+            self._finish()
+
+    def wait(self) -> None:
+        """Collective: block until the in-flight save, if any, is written and committed."""
+        if self._in_flight is None:
+            return
+        self._finish()
         dist.barrier()
-        if self.rank == 0:
-            self._commit(partial, final, step, meta)
-            self._prune()
-        dist.barrier()
-        log.info("checkpoint %s saved in %.2fs", final, time.perf_counter() - started)
-        return final
+        self._in_flight = None
+
+    def close(self) -> None:
+        """Collective: wait for the last save, then for its upload to the persistent tier."""
+        self.wait()
+        if self.tier is not None:
+            self.tier.close()
 
     def load_latest(self, state: dict[str, Any]) -> CheckpointInfo | None:
-        """Load the newest verifying checkpoint into `state` (in place); None when there is none.
-        Every rank verifies and picks the same one (all see the same files)."""
-        info = latest_valid_checkpoint(self.root)
+        """Collective: load the newest checkpoint that verifies into `state` (in place) -- from
+        the persistent tier when no local one does; None when there is none. Rank 0 chooses
+        and verifies, the others load what it chose."""
+        choice = [self._choose_and_verify() if self.rank == 0 else None]
+        dist.broadcast_object_list(choice, src=0)
+        info = choice[0]
         if info is None:
             return None
         if info.manifest["fingerprint"] != self.fingerprint:
@@ -175,30 +255,106 @@ class CheckpointManager:
                 f"(fingerprint {info.manifest['fingerprint'][:12]} != {self.fingerprint[:12]}); "
                 "remove it or train into another train.out_dir"
             )
+        saved_world = info.manifest["layout"]["world_size"]
+        if "rng" in state and saved_world != self.world_size:
+            log.warning("%s was saved by %d ranks, this run has %d: random number generator states "
+                        "are not restored", info.path, saved_world, self.world_size)
+            state = {k: v for k, v in state.items() if k != "rng"}
         dcp.load(state, checkpoint_id=info.path)
         log.info("resumed from %s (step %d)", info.path, info.step)
         return info
 
-    def _commit(self, partial: Path, final: Path, step: int, meta: dict[str, Any]) -> None:
+    def _choose_and_verify(self) -> CheckpointInfo | None:
+        info = self._latest_local()
+        if info is not None or self.tier is None:
+            return info
+        for name in self.tier.committed():
+            pulled = self.tier.download(name, self.root)
+            problems = verify_checkpoint(pulled)
+            if not problems:
+                manifest = read_checkpoint_manifest(pulled)
+                return CheckpointInfo(pulled, manifest["step"], manifest)
+            log.warning("skipping %s from %s: %s", name, self.tier.url, "; ".join(problems))
+            shutil.rmtree(pulled)
+        return None
+
+    def _latest_local(self) -> CheckpointInfo | None:
+        """The newest local checkpoint that verifies. Newer ones that do not are renamed
+        `.step-N.corrupt-<time>`: kept for inspection, out of the way of the step's next save."""
+        for info in committed_checkpoints(self.root):
+            problems = verify_checkpoint(info.path)
+            if not problems:
+                return info
+            quarantine = info.path.with_name(f".{info.path.name}.corrupt-{int(time.time())}")
+            log.warning("skipping checkpoint %s: %s; moved to %s", info.path, "; ".join(problems), quarantine)
+            info.path.rename(quarantine)
+        return None
+
+    def _finish(self) -> None:
+        pending = self._in_flight
+        if pending.committed:
+            return
+        try:
+            pending.future.result()
+        except (Exception, CheckpointException) as err:  # the latter derives from BaseException
+            if self.rank == 0:
+                shutil.rmtree(pending.partial, ignore_errors=True)
+            latest = committed_checkpoints(self.root)
+            kept = f"step {latest[0].step}" if latest else "none yet"
+            raise CheckpointError(
+                f"saving the checkpoint of step {pending.step} failed: {describe_save_failure(err)}. "
+                f"Committed checkpoints are untouched (latest: {kept}); free space in {self.root} or "
+                "point train.out_dir at a larger disk, then rerun to resume"
+            ) from err
+        if self.rank == 0:
+            self._commit(pending)
+            self._prune()
+            if self.tier is not None:
+                self.tier.upload_later(pending.final)
+        pending.committed = True
+        log.info("checkpoint %s committed: loop blocked %.2fs, written in %.2fs", pending.final,
+                 pending.blocked_s, time.perf_counter() - pending.started)
+
+    def _commit(self, pending: _InFlight) -> None:
         files = {
-            str(p.relative_to(partial)): sha256_file(p)
-            for p in sorted(partial.rglob("*")) if p.is_file()
+            str(p.relative_to(pending.partial)): sha256_file(p)
+            for p in sorted(pending.partial.rglob("*")) if p.is_file()
         }
-        manifest = {"step": step, "fingerprint": self.fingerprint, "files": files,
-                    "created_unix": time.time(), **meta}
-        with open(partial / MANIFEST_NAME, "w") as f:
+        manifest = {"step": pending.step, "fingerprint": self.fingerprint, "files": files,
+                    "created_unix": time.time(), **pending.meta}
+        with open(pending.partial / MANIFEST_NAME, "w") as f:
             json.dump(manifest, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
         for name in files:
-            fsync_path(partial / name)
-        fsync_path(partial)
-        os.replace(partial, final)
+            fsync_path(pending.partial / name)
+        fsync_path(pending.partial)
+        os.replace(pending.partial, pending.final)
         fsync_path(self.root)
 
     def _prune(self) -> None:
-        for info in committed_checkpoints(self.root)[self.keep_last:]:
-            shutil.rmtree(info.path)
+        """Keep the newest `keep_last`, and every `keep_every`-th step for good."""
+        for info in committed_checkpoints(self.root)[self.cfg.keep_last:]:
+            if not (self.cfg.keep_every and info.step % self.cfg.keep_every == 0):
+                shutil.rmtree(info.path)
+
+
+def describe_save_failure(err: BaseException) -> str:
+    """One line per failed rank, naming the root cause (an OSError such as a full disk, when
+    there is one) rather than DCP's collected tracebacks."""
+    if isinstance(err, CheckpointException):  # failures: rank -> (exception, stack summary)
+        failures = [(rank, wrapped[0]) for rank, wrapped in err.failures.items()]
+    else:
+        failures = [(None, err)]
+    lines = []
+    for rank, failure in failures:
+        chain = [failure]
+        while chain[-1].__cause__ or chain[-1].__context__:
+            chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        root = next((e for e in chain if isinstance(e, OSError)), chain[-1])
+        where = f"rank {rank}: " if rank is not None else ""
+        lines.append(f"{where}{type(root).__name__}: {root}")
+    return "; ".join(lines)
 
 
 def load_model_weights(model: nn.Module, checkpoint: Path) -> None:

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 from mlflow import MlflowClient
-from mlflow.entities import Metric
+from mlflow.entities import Metric, RunTag
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class MetricsLogger:
         self._interval_time = 0.0
         self._interval_steps = 0
         self._buffer: list[Metric] = []
+        self._events = 0
         self._pending = []
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
@@ -101,6 +102,20 @@ class MetricsLogger:
             log.warning("straggler: rank %d on %s averages %.3fs per step, %.0f%% above the median %.3fs",
                         slow, self.hosts[slow], times[slow], 100 * (times[slow] / median - 1), median)
         return {"step_time_max_s": max(times), "step_time_median_s": median}
+
+    def log_event(self, step: int, message: str, counters: dict[str, float]) -> None:
+        """A rare, notable event (a skipped update, a rollback): a warning in the logs, a run
+        tag and counters in MLflow, sent at once."""
+        if self.rank != 0:
+            return
+        log.warning("step %d: %s", step, message)
+        self._events += 1
+        if self.client is not None:
+            now = int(time.time() * 1000)
+            tag = RunTag(f"forgeline.event.{self._events:04d}", f"step {step}: {message}"[:5000])
+            metrics = [Metric(key, float(value), now, step) for key, value in counters.items()]
+            self._pending.append(self.client.log_batch(self.run_id, metrics=metrics, tags=[tag],
+                                                       synchronous=False))
 
     def _send(self) -> None:
         if self.client is None:

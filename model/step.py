@@ -1,11 +1,13 @@
 """What one optimizer step computes, apart from the loop around it: forward and backward over
 `grad_accum_steps` micro-steps -- through the pipeline schedule when pp > 1 -- then (fp16)
 unscaling, clipping by the global gradient norm over every rank, and the optimizer and LR
-steps."""
+steps. An update whose gradient is not finite is skipped (the LR schedule still advances, so
+step and learning rate stay in lockstep)."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +27,8 @@ from forgeline.model.optim import clip_grad_norm_
 class StepResult:
     loss: float  # mean cross-entropy over the global batch
     grad_norm: float
-    skipped: bool  # fp16 overflow: no update was applied
+    skipped: bool  # no update was applied (fp16 overflow, or non-finite)
+    nonfinite: bool  # the loss or the gradient was inf/NaN -- not an fp16 overflow
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -70,18 +73,22 @@ class TrainStep:
         for index, micro in enumerate(batch.chunk(self.grad_accum_steps)):
             self._set_gradient_sync(index == self.grad_accum_steps - 1)
             loss_sum += self._forward_backward(micro)
-        skipped = self.scaler is not None and self.scaler.unscale_(params, self.device)
-        grad_norm = clip_grad_norm_(params, self.grad_clip, self.pp_group)
-        if not skipped:
+        overflow = self.scaler is not None and self.scaler.unscale_(params, self.device)
+        # The norm is global (reduced over every rank), so every rank takes the same decision.
+        grad_norm = clip_grad_norm_(params, self.grad_clip, self.pp_group).item()
+        apply = math.isfinite(grad_norm) and not overflow
+        if apply:
             for optimizer in self.optimizers:
                 optimizer.step()
         if self.scaler is not None:
-            self.scaler.update(skipped)
+            self.scaler.update(overflow)
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         for scheduler in self.schedulers:
             scheduler.step()
-        return StepResult(self._global_mean(loss_sum / self.grad_accum_steps), grad_norm.item(), skipped)
+        loss = self._global_mean(loss_sum / self.grad_accum_steps)
+        nonfinite = not overflow and not (math.isfinite(grad_norm) and math.isfinite(loss))
+        return StepResult(loss, grad_norm, skipped=not apply, nonfinite=nonfinite)
 
     def _forward_backward(self, micro: torch.Tensor) -> torch.Tensor:
         """The micro-step's mean loss (unscaled), after its backward."""

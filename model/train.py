@@ -4,28 +4,36 @@
 
 Builds the model on the meta device, splits it into pipeline stages, applies tensor parallel,
 activation checkpointing, compile and FSDP2, materializes and initializes it, resumes from the
-latest valid checkpoint, and trains. Checkpointing and metrics hang off the loop as callbacks.
+latest valid checkpoint, and hands a Trainer (model/trainer.py) its step and callbacks
+(model/callbacks.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import time
-from dataclasses import dataclass, field
+import os
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 
 from forgeline.configs import Config, load_config
 from forgeline.configs.schema import resume_fingerprint
 from forgeline.model.amp import DynamicLossScaler
-from forgeline.model.checkpoint import CheckpointManager, ModelState, OptimizerState
+from forgeline.model.callbacks import (
+    UNSTABLE_REPORT,
+    CheckpointCallback,
+    MetricsCallback,
+    StabilityCallback,
+    TrainingUnstable,
+    WatchdogCallback,
+    load_callback,
+    unstable_report,
+)
+from forgeline.model.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState
 from forgeline.model.data import MANIFEST_NAME, ShardedSampleLoader, read_manifest, split_shards
 from forgeline.model.fileio import sha256_file
 from forgeline.model.llama import ModelArgs, Transformer
@@ -35,35 +43,9 @@ from forgeline.model.parallel import ParallelDims, init_distributed, resolve_pre
 from forgeline.model.parallelize import parallelize
 from forgeline.model.pipeline import build_schedule, pipeline_split
 from forgeline.model.step import TrainStep, scaled_loss
+from forgeline.model.trainer import Trainer, TrainerState
 
 log = logging.getLogger("forgeline.model.train")
-
-
-class TrainerState(Stateful):
-    """Everything besides model and optimizer that a resume must restore."""
-
-    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler],
-                 loader: ShardedSampleLoader, scaler: DynamicLossScaler | None):
-        self.step = 0
-        self.tokens_seen = 0
-        self.schedulers = schedulers
-        self.loader = loader
-        self.scaler = scaler
-
-    def state_dict(self) -> dict[str, Any]:
-        state = {"step": self.step, "tokens_seen": self.tokens_seen,
-                 "scheduler": self.schedulers[0].state_dict(), "loader": self.loader.state_dict()}
-        if self.scaler is not None:
-            state["scaler"] = self.scaler.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-        for scheduler in self.schedulers:
-            scheduler.load_state_dict(state["scheduler"])
-        self.loader.load_state_dict(state["loader"])
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["scaler"])
 
 
 def model_args(cfg: Config, vocab_size: int) -> ModelArgs:
@@ -86,74 +68,6 @@ def build_model_parts(cfg: Config, args: ModelArgs, dims: ParallelDims, mesh: De
         part.to_empty(device=device)
         part.init_weights(cfg.train.seed)
     return parts
-
-
-class Callback:
-    """A side concern of the loop; hooks are no-ops unless overridden."""
-
-    def post_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        pass
-
-    def on_train_end(self, trainer: Trainer) -> None:
-        pass
-
-
-@dataclass
-class Trainer:
-    """Decides when things happen; TrainStep decides what a step does."""
-
-    total_steps: int
-    state: TrainerState
-    loader: ShardedSampleLoader
-    train_step: TrainStep
-    device: torch.device
-    tokens_per_step: int
-    callbacks: list[Callback] = field(default_factory=list)
-
-    def fit(self) -> None:
-        while self.state.step < self.total_steps:
-            started = time.perf_counter()
-            batch = self.loader.next_batch().to(self.device)
-            data_wait = time.perf_counter() - started
-            lr = self.state.schedulers[0].get_last_lr()[0]
-            result = self.train_step(batch)
-            step_time = time.perf_counter() - started
-            self.state.step += 1
-            self.state.tokens_seen += self.tokens_per_step
-            metrics = {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                       "tokens_per_s": self.tokens_per_step / step_time, "step_time_s": step_time,
-                       "data_wait_s": data_wait}
-            if self.train_step.scaler is not None:
-                metrics |= {"loss_scale": self.train_step.scaler.scale, "skipped": float(result.skipped)}
-            for callback in self.callbacks:
-                callback.post_step(self, metrics)
-        for callback in self.callbacks:
-            callback.on_train_end(self)
-
-
-@dataclass
-class MetricsCallback(Callback):
-    logger: MetricsLogger
-
-    def post_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        self.logger.log_step(trainer.state.step, metrics)
-
-    def on_train_end(self, trainer: Trainer) -> None:
-        self.logger.close()
-
-
-@dataclass
-class CheckpointCallback(Callback):
-    manager: CheckpointManager
-    state: dict[str, Stateful]
-    every_steps: int
-    meta: dict[str, Any]
-
-    def post_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        step = trainer.state.step
-        if step % self.every_steps == 0 or step == trainer.total_steps:
-            self.manager.save(step, self.state, self.meta | {"loss": metrics["loss"],
-                                                             "tokens_seen": trainer.state.tokens_seen})
 
 
 def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id: str | None) -> None:
@@ -196,11 +110,15 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
 
     trainer_state = TrainerState(schedulers, loader, scaler)
     state = {"model": ModelState(modules), "optim": OptimizerState(modules, optimizers),
-             "train": trainer_state}
+             "train": trainer_state, "rng": RNGState(rank)}
     data_manifest = {"path": str(data_dir / MANIFEST_NAME),
                      "sha256": sha256_file(data_dir / MANIFEST_NAME)}
-    checkpoints = CheckpointManager(Path(cfg.train.out_dir) / "checkpoints", cfg.checkpoint.keep_last, rank,
-                                    resume_fingerprint(cfg, data_manifest["sha256"]))
+    fingerprint = resume_fingerprint(cfg, data_manifest["sha256"])
+    out_dir = Path(cfg.train.out_dir)
+    report = unstable_report(out_dir, fingerprint)
+    if report:  # an automatic restart of a run that already gave up: fail fast, same report
+        raise TrainingUnstable(report)
+    checkpoints = CheckpointManager(out_dir / "checkpoints", cfg.checkpoint, rank, world_size, fingerprint)
     checkpoints.load_latest(state)
 
     tokens_per_step = cfg.train.global_batch_size * manifest["seq_len"]
@@ -209,20 +127,25 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
                             peak_flops=total_peak_flops(cfg, device), device=device)
     layout = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
               "world_size": world_size, "pp_schedule": cfg.parallel.pp_schedule if dims.pp_enabled else None}
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank == 0:
-        log.info("model: %.2fM parameters; layout %s on %s, %s; starting at step %d/%d",
-                 args.num_params() / 1e6, layout, device, param_dtype, trainer_state.step, cfg.train.steps)
-    trainer = Trainer(
-        total_steps=cfg.train.steps, state=trainer_state, loader=loader, train_step=train_step,
-        device=device, tokens_per_step=tokens_per_step,
-        callbacks=[
-            MetricsCallback(metrics),
-            CheckpointCallback(checkpoints, state, cfg.checkpoint.every_steps,
-                               {"layout": layout, "model_args": args.to_dict(),
-                                "data_manifest": data_manifest}),
-        ],
-    )
-    trainer.fit()
+        log.info("model: %.2fM parameters; layout %s on %s, %s; starting at step %d/%d%s",
+                 args.num_params() / 1e6, layout, device, param_dtype, trainer_state.step, cfg.train.steps,
+                 f" (in-job restart {restart})" if restart else "")
+    meta = {"layout": layout, "model_args": args.to_dict(), "data_manifest": data_manifest,
+            "config_sha256": cfg.section_hash(),
+            "git_commit": os.environ.get("FORGELINE_GIT_COMMIT", "unknown")}
+    callbacks = [
+        MetricsCallback(metrics),
+        StabilityCallback(cfg.train, checkpoints, state, metrics, out_dir / UNSTABLE_REPORT, fingerprint,
+                          rank),
+        CheckpointCallback(checkpoints, state, cfg.checkpoint.every_steps, meta),
+        *(load_callback(spec) for spec in cfg.train.callbacks),
+    ]
+    if cfg.train.hang_timeout_s:
+        callbacks.insert(0, WatchdogCallback(cfg.train.hang_timeout_s))
+    Trainer(total_steps=cfg.train.steps, state=trainer_state, train_step=train_step, device=device,
+            tokens_per_step=tokens_per_step, callbacks=callbacks).fit()
 
 
 def total_peak_flops(cfg: Config, device: torch.device) -> float:
@@ -242,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mlflow-run-id", help="MLflow run that receives the step metrics")
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
+    if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # required by cuBLAS
+        torch.use_deterministic_algorithms(True)
     device, rank, world_size = init_distributed()
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 
 class LaunchError(RuntimeError):
@@ -19,7 +19,9 @@ class LaunchError(RuntimeError):
 
 
 def run_streaming(cmd: Sequence[str], env: Mapping[str, str], timeout_s: float,
-                  logger: logging.Logger, grace_s: float = 10.0) -> None:
+                  logger: logging.Logger, grace_s: float = 10.0,
+                  on_line: Callable[[str], None] | None = None) -> None:
+    """Run `cmd`, each output line to `logger` (and `on_line`); raise LaunchError on failure."""
     logger.info("launching: %s", " ".join(cmd))
     proc = subprocess.Popen(
         list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -28,7 +30,7 @@ def run_streaming(cmd: Sequence[str], env: Mapping[str, str], timeout_s: float,
     tail: collections.deque[str] = collections.deque(maxlen=40)
     # The reader runs in the caller's context, so Prefect's log handler knows the task run.
     context = contextvars.copy_context()
-    reader = threading.Thread(target=context.run, args=(_pump, proc, logger, tail), daemon=True)
+    reader = threading.Thread(target=context.run, args=(_pump, proc, logger, tail, on_line), daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout_s
     try:
@@ -48,12 +50,15 @@ def run_streaming(cmd: Sequence[str], env: Mapping[str, str], timeout_s: float,
                           + _format_tail(tail))
 
 
-def _pump(proc: subprocess.Popen, logger: logging.Logger, tail: collections.deque) -> None:
+def _pump(proc: subprocess.Popen, logger: logging.Logger, tail: collections.deque,
+          on_line: Callable[[str], None] | None) -> None:
     for line in proc.stdout:
         line = line.rstrip()
         if line:
             tail.append(line)
             logger.info("%s", line)
+            if on_line is not None:
+                on_line(line)
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from prefect import task
+from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import State, TaskRun
+from prefect.runtime import task_run
+from prefect.tasks import exponential_backoff
 
 from forgeline.configs import Config
+from forgeline.model.callbacks import TrainingUnstable
 from forgeline.tasks.data import DataResult
 from forgeline.tasks.evaluate import EvalResult
 from forgeline.tasks.register import RegisterResult
@@ -28,7 +32,22 @@ def data_task(cfg: Config, parent_run_id: str | None = None) -> DataResult:
 
 @task(name="train", cache_policy=NO_CACHE)
 def train_task(cfg: Config, parent_run_id: str | None = None) -> TrainResult:
-    return run_train_stage(cfg, parent_run_id)
+    # The task run id is the same for every retry: each attempt resumes into one MLflow run.
+    return run_train_stage(cfg, parent_run_id, run_key=str(task_run.id))
+
+
+def retrying_train_task(cfg: Config) -> Task:
+    """train_task with the job-level retries of `cfg`: exponential backoff, none after a run
+    gave up on instability (a retry would fail the same way)."""
+    return train_task.with_options(
+        retries=cfg.train.job_retries,
+        retry_delay_seconds=exponential_backoff(backoff_factor=10),
+        retry_condition_fn=_not_unstable,
+    )
+
+
+def _not_unstable(task: Task, task_run: TaskRun, state: State) -> bool:
+    return not isinstance(state.result(raise_on_failure=False), TrainingUnstable)
 
 
 @task(name="eval", cache_policy=NO_CACHE)

@@ -78,14 +78,17 @@ def run_data_stage(cfg: Config, parent_run_id: str | None = None) -> DataResult:
     return result
 
 
-def run_train_stage(cfg: Config, parent_run_id: str | None = None) -> TrainResult:
-    with tracked_run(cfg, "train", parent_run_id) as run:
+def run_train_stage(cfg: Config, parent_run_id: str | None = None, run_key: str | None = None) -> TrainResult:
+    """`run_key` (e.g. the Prefect task run id) makes a retry resume into the same MLflow run."""
+    with tracked_run(cfg, "train", parent_run_id, run_key=run_key) as run:
         run.log_params({k: v for k, v in cfg.flat().items()
                         if k.split(".")[0] in ("model", "parallel", "train", "checkpoint")})
         result = train_model(cfg, mlflow_run_id=run.run_id)
-        summary = {"final_loss": result.loss, "tokens_seen": result.tokens_seen}
+        summary = {"final_loss": result.loss, "tokens_seen": result.tokens_seen,
+                   "worker_failures": len(result.failures)}
         run.log_metrics(summary, step=result.step)
-        run.set_tags({"forgeline.checkpoint": str(Path(result.checkpoint).resolve())})
+        run.set_tags({"forgeline.checkpoint": str(Path(result.checkpoint).resolve()),
+                      **{f"forgeline.worker_failure.{i + 1}": why for i, why in enumerate(result.failures)}})
         run.log_artifact(Path(result.out_dir) / "config.yaml")
         if parent := _on_parent(cfg, parent_run_id):
             parent.log_metrics({f"train/{k}": v for k, v in summary.items()}, step=result.step)

@@ -30,6 +30,8 @@ from forgeline.configs import Config
 log = logging.getLogger(__name__)
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+RUN_KEY_TAG = "forgeline.run_key"  # identifies the work a run records, across retries
+ATTEMPT_TAG = "forgeline.attempts"
 MAX_PARAMS_PER_BATCH = 100
 
 
@@ -111,26 +113,45 @@ def experiment_id(client: MlflowClient, cfg: Config) -> str:
 
 @contextmanager
 def tracked_run(cfg: Config, name: str, parent_run_id: str | None = None,
-                tags: dict[str, str] | None = None) -> Iterator[RunTracker]:
+                tags: dict[str, str] | None = None, run_key: str | None = None) -> Iterator[RunTracker]:
     """An MLflow run for the block: nested under `parent_run_id` if given, else a top-level
     run that carries the flattened config and git lineage itself. Marked FINISHED, or FAILED
-    if the block raises."""
+    (with the error as a tag) if the block raises. With `run_key`, a retry of the same work
+    reopens the run created under that key instead of starting another."""
     client = MlflowClient(tracking_uri=resolve_tracking_uri(cfg))
-    run_tags = {MLFLOW_RUN_NAME: name, **(tags or {})}
-    if parent_run_id:
-        run_tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
-    run = client.create_run(experiment_id(client, cfg), tags=run_tags, run_name=name)
-    tracker = RunTracker(client, run.info.run_id)
-    if not parent_run_id:
-        tracker.log_params(cfg.flat())
-        tracker.set_tags(git_info())
-    log.info("MLflow run %s (%s) in %s", tracker.run_id, name, client.tracking_uri)
+    experiment = experiment_id(client, cfg)
+    run = _run_with_key(client, experiment, run_key) if run_key else None
+    if run is None:
+        run_tags = {MLFLOW_RUN_NAME: name, **(tags or {})}
+        if parent_run_id:
+            run_tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
+        if run_key:
+            run_tags[RUN_KEY_TAG] = run_key
+        run = client.create_run(experiment, tags=run_tags, run_name=name)
+        tracker = RunTracker(client, run.info.run_id)
+        if not parent_run_id:
+            tracker.log_params(cfg.flat())
+            tracker.set_tags(git_info())
+        attempt = 1
+    else:
+        tracker = RunTracker(client, run.info.run_id)
+        attempt = int(run.data.tags.get(ATTEMPT_TAG, "1")) + 1
+        client.update_run(tracker.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+    tracker.set_tags({ATTEMPT_TAG: attempt})
+    log.info("MLflow run %s (%s, attempt %d) in %s", tracker.run_id, name, attempt, client.tracking_uri)
     try:
         yield tracker
-    except BaseException:
+    except BaseException as err:
+        tracker.set_tags({f"forgeline.attempt.{attempt}.error": f"{type(err).__name__}: {err}"[:5000]})
         client.set_terminated(tracker.run_id, RunStatus.to_string(RunStatus.FAILED))
         raise
     client.set_terminated(tracker.run_id, RunStatus.to_string(RunStatus.FINISHED))
+
+
+def _run_with_key(client: MlflowClient, experiment: str, run_key: str):
+    found = client.search_runs([experiment], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
+                               max_results=1)
+    return found[0] if found else None
 
 
 def dvc_hash(path: str | Path) -> str:

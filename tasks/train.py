@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
+import signal
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,17 +25,24 @@ import yaml
 
 from forgeline.configs import Config
 from forgeline.configs.schema import resume_fingerprint
+from forgeline.model.callbacks import TrainingUnstable, unstable_report
 from forgeline.model.checkpoint import committed_checkpoints, latest_valid_checkpoint
 from forgeline.model.data import MANIFEST_NAME, read_manifest
 from forgeline.model.fileio import sha256_file
 from forgeline.model.parallel import resolve_precision
 from forgeline.tasks.atomic import write_text_atomic
 from forgeline.tasks.launch import LaunchError, run_streaming
-from forgeline.tasks.tracking import resolve_tracking_uri
+from forgeline.tasks.tracking import git_info, resolve_tracking_uri
 
 log = logging.getLogger(__name__)
 
 SUMMARY_NAME = "train.json"
+
+
+# torchrun's line for a worker that died, e.g. "failed (exitcode: -9) local_rank: 1 (pid: 42)".
+WORKER_FAILURE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+# The last line of a rank's traceback, e.g. "[rank0]: CheckpointError: saving ... failed".
+RANK_EXCEPTION = re.compile(r"^\[rank\d+\]: [\w.]*(?:Error|Exception|Unstable)\b.*$")
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,17 @@ class TrainResult:
     loss: float
     tokens_seen: int
     layout: dict
+    failures: list[str] = field(default_factory=list)  # each triggered an in-job restart
+
+
+def describe_failure(line: str) -> str | None:
+    """'local rank 1 (pid 42) was killed by SIGKILL' from a torchrun failure line."""
+    match = WORKER_FAILURE.search(line)
+    if match is None:
+        return None
+    code, local_rank, pid = (int(g) for g in match.groups())
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return f"local rank {local_rank} (pid {pid}) {how}"
 
 
 def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
@@ -57,9 +77,28 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
     discard_foreign_checkpoints(checkpoint_root, fingerprint)
 
     config_path = out_dir / "config.yaml"
-    write_text_atomic(config_path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    # Python mode, not JSON: YAML keeps what JSON cannot (a NaN in a callback argument, say).
+    write_text_atomic(config_path, yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     cmd = torchrun_command(cfg, config_path, mlflow_run_id)
-    run_streaming(cmd, launch_env(cfg), cfg.train.timeout_s, log)
+    failures: list[str] = []
+    rank_exceptions: list[str] = []
+
+    def note_failure(line: str) -> None:
+        if (failure := describe_failure(line)) is not None:
+            failures.append(failure)
+            log.warning("worker failure %d: %s", len(failures), failure)
+        elif RANK_EXCEPTION.match(line):
+            rank_exceptions.append(line)
+
+    try:
+        run_streaming(cmd, launch_env(cfg), cfg.train.timeout_s, log, on_line=note_failure)
+    except LaunchError as err:
+        report = unstable_report(out_dir, fingerprint)
+        if report:
+            raise TrainingUnstable(report) from None
+        if rank_exceptions:  # lead with what went wrong, not with torchrun's summary
+            raise LaunchError(f"training failed: {rank_exceptions[-1]}\n{err}") from None
+        raise
 
     final = latest_valid_checkpoint(checkpoint_root)
     if final is None or final.step != cfg.train.steps:
@@ -73,6 +112,7 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
         loss=final.manifest["loss"],
         tokens_seen=final.manifest["tokens_seen"],
         layout=final.manifest["layout"],
+        failures=failures,
     )
     write_text_atomic(out_dir / SUMMARY_NAME, json.dumps(asdict(result), indent=2) + "\n")
     return result
@@ -87,7 +127,7 @@ def read_train_summary(cfg: Config) -> TrainResult:
 
 def discard_foreign_checkpoints(root: Path, fingerprint: str) -> None:
     """Remove committed checkpoints written for another configuration (they cannot be
-    resumed into this one) and partial saves a crash left behind."""
+    resumed into this one) and partial saves a crash left behind. Rolled-back ones stay."""
     for info in committed_checkpoints(root):
         if info.manifest["fingerprint"] != fingerprint:
             log.warning("removing %s: written for another model/training/data configuration",
@@ -128,5 +168,6 @@ def launch_env(cfg: Config) -> dict[str, str]:
     # gloo ranks then fail to connect; a fresh store per restart fixes it.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env["MLFLOW_TRACKING_URI"] = resolve_tracking_uri(cfg)
+    env["FORGELINE_GIT_COMMIT"] = git_info()["git.commit"]
     env["PYTHONUNBUFFERED"] = "1"
     return env

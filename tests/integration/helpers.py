@@ -39,7 +39,8 @@ with get_client(sync_client=True) as client:
         flow = client.read_flow(fr.flow_id)
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
         out.append({"id": str(fr.id), "flow": flow.name, "state": fr.state.type.value,
-                    "tasks": sorted((t.name.split("-")[0], t.state.type.value) for t in tasks)})
+                    "tasks": sorted((t.name.split("-")[0], t.state.type.value) for t in tasks),
+                    "task_run_counts": {t.name.split("-")[0]: t.run_count for t in tasks}})
 print(json.dumps(out))
 """
     done = run([sys.executable, "-c", "import forgeline.flows\n" + script], workdir, timeout=300)

@@ -6,12 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from forgeline.configs.schema import CheckpointConfig
 from forgeline.model.checkpoint import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointManager,
     ModelState,
     OptimizerState,
+    RNGState,
     committed_checkpoints,
     latest_valid_checkpoint,
     load_model_weights,
@@ -39,12 +41,17 @@ def trained_state(seed: int) -> tuple[Transformer, torch.optim.Optimizer, dict]:
     return model, optimizer, {"model": ModelState([model]), "optim": OptimizerState([model], [optimizer])}
 
 
-def save_steps(root: Path, steps: list[int], keep_last: int = 5) -> CheckpointManager:
-    manager = CheckpointManager(root, keep_last=keep_last, rank=0, fingerprint="f1")
+def manager(root: Path, fingerprint: str = "f1", **cfg: object) -> CheckpointManager:
+    return CheckpointManager(root, CheckpointConfig(**cfg), rank=0, world_size=1, fingerprint=fingerprint)
+
+
+def save_steps(root: Path, steps: list[int], **cfg: object) -> CheckpointManager:
+    saver = manager(root, **{"keep_last": 5, **cfg})
     for step in steps:
         _, _, state = trained_state(step)
-        manager.save(step, state, {"loss": 1.0})
-    return manager
+        saver.save(step, state, {"loss": 1.0, "layout": {"world_size": 1}})
+    saver.close()
+    return saver
 
 
 def test_save_commits_a_verifying_manifest(tmp_path: Path, process_group: None) -> None:
@@ -57,11 +64,18 @@ def test_save_commits_a_verifying_manifest(tmp_path: Path, process_group: None) 
     assert not list(tmp_path.glob(".*partial"))
 
 
-def test_resume_restores_model_and_optimizer_exactly(tmp_path: Path, process_group: None) -> None:
+@pytest.mark.parametrize("async_save", [True, False])
+def test_resume_restores_model_optimizer_and_rng_exactly(tmp_path: Path, process_group: None,
+                                                          async_save: bool) -> None:
     model, optimizer, state = trained_state(7)
-    CheckpointManager(tmp_path, 2, 0, "f1").save(3, state, {})
+    saver = manager(tmp_path, async_save=async_save)
+    torch.manual_seed(1234)
+    saver.save(3, state | {"rng": RNGState(0)}, {"layout": {"world_size": 1}})
+    expected_draw = torch.rand(3)
+    saver.close()
     fresh_model, fresh_optimizer, fresh_state = trained_state(99)
-    info = CheckpointManager(tmp_path, 2, 0, "f1").load_latest(fresh_state)
+    info = manager(tmp_path).load_latest(fresh_state | {"rng": RNGState(0)})
+    assert torch.equal(torch.rand(3), expected_draw)
     assert info.step == 3
     for a, b in zip(model.state_dict().values(), fresh_model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
@@ -70,9 +84,16 @@ def test_resume_restores_model_and_optimizer_exactly(tmp_path: Path, process_gro
         assert torch.equal(a, b)
 
 
-def test_only_the_last_k_are_kept(tmp_path: Path, process_group: None) -> None:
-    save_steps(tmp_path, [10, 20, 30], keep_last=2)
-    assert [c.step for c in committed_checkpoints(tmp_path)] == [30, 20]
+def test_the_last_k_and_every_mth_are_kept(tmp_path: Path, process_group: None) -> None:
+    save_steps(tmp_path, [10, 20, 30, 40, 50], keep_last=2, keep_every=20)
+    assert [c.step for c in committed_checkpoints(tmp_path)] == [50, 40, 20]
+
+
+def test_a_committed_step_is_never_overwritten(tmp_path: Path, process_group: None) -> None:
+    save_steps(tmp_path, [10])
+    _, _, state = trained_state(0)
+    with pytest.raises(CheckpointError, match="step-00000010 exists: checkpoints are never overwritten"):
+        manager(tmp_path).save(10, state, {})
 
 
 def test_uncommitted_and_corrupt_checkpoints_are_skipped(tmp_path: Path, process_group: None,
@@ -83,19 +104,24 @@ def test_uncommitted_and_corrupt_checkpoints_are_skipped(tmp_path: Path, process
     shard.write_bytes(shard.read_bytes()[:-10] + b"0123456789")
     assert latest_valid_checkpoint(tmp_path).step == 10
     assert "step-00000020" in caplog.text and "sha256 mismatch" in caplog.text
+    _, _, state = trained_state(0)
+    assert manager(tmp_path).load_latest(state).step == 10
+    assert list(tmp_path.glob(".step-00000020.corrupt-*"))  # kept for inspection, out of the way
 
 
 def test_checkpoint_of_another_configuration_is_refused(tmp_path: Path, process_group: None) -> None:
     save_steps(tmp_path, [10])
     _, _, state = trained_state(0)
     with pytest.raises(CheckpointError, match="another model/training/data configuration"):
-        CheckpointManager(tmp_path, 2, 0, "other").load_latest(state)
+        manager(tmp_path, fingerprint="other").load_latest(state)
 
 
 def test_weights_load_into_a_plain_model_without_a_process_group(tmp_path: Path,
                                                                   process_group: None) -> None:
     model, _, state = trained_state(5)
-    CheckpointManager(tmp_path, 2, 0, "f1").save(1, state, {})
+    saver = manager(tmp_path)
+    saver.save(1, state, {})
+    saver.close()
     dist.destroy_process_group()
     try:
         plain = Transformer(ARGS)

@@ -1,0 +1,185 @@
+"""The loop's side concerns as callbacks, in the order train.py installs them: the hang
+watchdog, metrics, stability (skip / roll back), checkpoints, then user callbacks."""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import json
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.stateful import Stateful
+
+from forgeline.configs.schema import CallbackSpec, TrainConfig
+from forgeline.model.checkpoint import CheckpointManager
+from forgeline.model.metrics import MetricsLogger
+from forgeline.model.trainer import Callback, Trainer
+
+UNSTABLE_REPORT = "unstable.json"
+
+
+class TrainingUnstable(RuntimeError):
+    """Instability that rollbacks could not cure; the message is the report of its events."""
+
+
+@dataclass
+class MetricsCallback(Callback):
+    logger: MetricsLogger
+
+    def post_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        self.logger.log_step(trainer.state.step, metrics)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        self.logger.close()
+
+
+@dataclass
+class CheckpointCallback(Callback):
+    """Saves every `every_steps` and at the last step; commits finished async saves as soon as
+    they are written."""
+
+    manager: CheckpointManager
+    state: dict[str, Stateful]
+    every_steps: int
+    meta: dict[str, Any]
+    last_saved: int = -1
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self.last_saved = trainer.state.step  # a resumed step is already on disk
+
+    def post_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        self.manager.poll()
+        step = trainer.state.step
+        # After a rollback the step is one already saved: never write it again.
+        if step > self.last_saved and (step % self.every_steps == 0 or step == trainer.total_steps):
+            self.manager.save(step, self.state, self.meta | {"loss": metrics["loss"],
+                                                             "tokens_seen": trainer.state.tokens_seen})
+            self.last_saved = step
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        self.manager.close()
+
+
+@dataclass
+class StabilityCallback(Callback):
+    """Non-finite steps are skipped by the step itself; here, repeated ones or a loss spike
+    (z-score against a moving window) roll back to the last committed checkpoint and skip the
+    data consumed since. Too many rollbacks stop the run with a report (also written to
+    `report_path`, so an automatic restart of the same configuration fails fast). Decisions use
+    global values (the loss and gradient norm are reduced over all ranks), so every rank takes
+    the same one."""
+
+    cfg: TrainConfig
+    manager: CheckpointManager
+    state: dict[str, Stateful]
+    metrics: MetricsLogger
+    report_path: Path
+    fingerprint: str
+    rank: int
+    events: list[str] = field(default_factory=list)
+    rollbacks: int = 0
+    nonfinite_in_a_row: int = 0
+
+    def __post_init__(self) -> None:
+        self.losses: deque[float] = deque(maxlen=self.cfg.spike_window)
+
+    def post_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        step, result = trainer.state.step, trainer.last_result
+        if result.nonfinite:
+            self.nonfinite_in_a_row += 1
+            self._event(step, "non-finite loss or gradient: update skipped "
+                              f"({self.nonfinite_in_a_row} in a row)")
+            if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+                self._roll_back(trainer, f"{self.nonfinite_in_a_row} consecutive non-finite steps")
+            return
+        self.nonfinite_in_a_row = 0
+        if result.skipped:  # an fp16 overflow: the loss scaler deals with it
+            return
+        spike = self._spike(result.loss)
+        if spike:
+            self._roll_back(trainer, spike)
+        else:
+            self.losses.append(result.loss)
+
+    def _spike(self, loss: float) -> str | None:
+        if not self.cfg.spike_zscore or len(self.losses) < min(10, self.cfg.spike_window):
+            return None
+        mean, std = statistics.fmean(self.losses), statistics.pstdev(self.losses)
+        zscore = (loss - mean) / max(std, 1e-8)
+        if zscore > self.cfg.spike_zscore:
+            return (f"loss spike: {loss:.4f} is {zscore:.1f} standard deviations above the mean "
+                    f"{mean:.4f} of the last {len(self.losses)} steps")
+        return None
+
+    def _roll_back(self, trainer: Trainer, reason: str) -> None:
+        step = trainer.state.step
+        self.rollbacks += 1
+        if self.rollbacks > self.cfg.max_rollbacks:
+            self._give_up(step, f"{reason}; rollback limit train.max_rollbacks={self.cfg.max_rollbacks} "
+                                "reached")
+        bad_window_end = trainer.loader.state_dict()
+        self.manager.wait()
+        info = self.manager.load_latest(self.state)
+        if info is None:
+            self._give_up(step, f"{reason} before the first checkpoint: nothing to roll back to")
+        trainer.loader.load_state_dict(bad_window_end)  # skip the data of the bad window
+        skipped = trainer.loader.global_batch_size * (step - info.step)
+        self._event(step, f"rolled back to step {info.step} after {reason}; skipping the {skipped} samples "
+                          f"read since (rollback {self.rollbacks} of at most {self.cfg.max_rollbacks})")
+        self.losses.clear()
+        self.nonfinite_in_a_row = 0
+
+    def _event(self, step: int, message: str) -> None:
+        self.events.append(f"step {step}: {message}")
+        self.metrics.log_event(step, message, {"rollbacks": self.rollbacks})
+
+    def _give_up(self, step: int, reason: str) -> None:
+        self.events.append(f"step {step}: {reason}")
+        report = "training is unstable:\n  " + "\n  ".join(self.events)
+        if self.rank == 0:
+            self.report_path.write_text(json.dumps({"fingerprint": self.fingerprint, "events": self.events},
+                                                   indent=2) + "\n")
+        raise TrainingUnstable(report)
+
+
+@dataclass
+class WatchdogCallback(Callback):
+    """If a step does not finish within `timeout_s` -- a rank stuck in I/O, a collective that
+    never completes -- dump every thread's stack and exit, so torchrun restarts the group (and
+    the job resumes from its latest checkpoint). Each rank has its own watchdog: the stuck one
+    and the ones waiting for it all dump their stacks."""
+
+    timeout_s: int
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        faulthandler.dump_traceback_later(self.timeout_s, exit=True)
+
+    def post_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        faulthandler.dump_traceback_later(self.timeout_s, exit=True)  # re-arm
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def load_callback(spec: CallbackSpec) -> Callback:
+    module_name, _, class_name = spec.path.partition(":")
+    callback_class = getattr(importlib.import_module(module_name), class_name)
+    if not (isinstance(callback_class, type) and issubclass(callback_class, Callback)):
+        raise TypeError(f"train.callbacks: {spec.path} is not a forgeline.model.trainer.Callback")
+    return callback_class(**spec.args)
+
+
+def unstable_report(out_dir: Path, fingerprint: str) -> str | None:
+    """The report of a run of this configuration that gave up on instability, if any."""
+    path = out_dir / UNSTABLE_REPORT
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    if report["fingerprint"] != fingerprint:
+        return None
+    return ("training is unstable:\n  " + "\n  ".join(report["events"])
+            + f"\n(change the configuration, or delete {path} to try the same one again)")

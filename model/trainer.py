@@ -1,0 +1,99 @@
+"""The training loop: the Trainer decides *when* things happen, TrainStep (model/step.py)
+*what* a step does; side concerns -- metrics, checkpoints, stability, the hang watchdog, user
+code -- hang off the loop as callbacks (model/callbacks.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from forgeline.model.amp import DynamicLossScaler
+from forgeline.model.data import ShardedSampleLoader
+from forgeline.model.step import StepResult, TrainStep
+
+
+class TrainerState(Stateful):
+    """Everything besides model, optimizer and RNGs that a resume must restore."""
+
+    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler],
+                 loader: ShardedSampleLoader, scaler: DynamicLossScaler | None):
+        self.step = 0
+        self.tokens_seen = 0
+        self.schedulers = schedulers
+        self.loader = loader
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"step": self.step, "tokens_seen": self.tokens_seen,
+                 "scheduler": self.schedulers[0].state_dict(), "loader": self.loader.state_dict()}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+class Callback:
+    """A side concern of the loop; every hook is a no-op unless overridden. Hooks run on every
+    rank in the same order, so a hook may issue collectives."""
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        pass
+
+    def pre_step(self, trainer: Trainer) -> None:
+        pass
+
+    def post_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        pass
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        pass
+
+
+@dataclass
+class Trainer:
+    total_steps: int
+    state: TrainerState
+    train_step: TrainStep
+    device: torch.device
+    tokens_per_step: int
+    callbacks: list[Callback] = field(default_factory=list)
+    last_result: StepResult | None = None
+
+    @property
+    def loader(self) -> ShardedSampleLoader:
+        return self.state.loader
+
+    def fit(self) -> None:
+        for callback in self.callbacks:
+            callback.on_train_start(self)
+        while self.state.step < self.total_steps:
+            for callback in self.callbacks:
+                callback.pre_step(self)
+            started = time.perf_counter()
+            batch = self.loader.next_batch().to(self.device)
+            data_wait = time.perf_counter() - started
+            lr = self.state.schedulers[0].get_last_lr()[0]
+            self.last_result = result = self.train_step(batch)
+            step_time = time.perf_counter() - started
+            self.state.step += 1
+            self.state.tokens_seen += self.tokens_per_step
+            metrics = {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                       "tokens_per_s": self.tokens_per_step / step_time, "step_time_s": step_time,
+                       "data_wait_s": data_wait, "skipped": float(result.skipped)}
+            if self.train_step.scaler is not None:
+                metrics["loss_scale"] = self.train_step.scaler.scale
+            for callback in self.callbacks:
+                callback.post_step(self, metrics)
+        for callback in self.callbacks:
+            callback.on_train_end(self)
