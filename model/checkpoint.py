@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -194,6 +195,14 @@ class CheckpointManager:
         self.world_size = world_size
         self.fingerprint = fingerprint
         self.async_group = dist.new_group(backend="gloo") if cfg.async_save else None
+        # Staging copies the state to CPU memory, reusing the buffers of the previous save (fresh
+        # ones per save cost page faults: measured 0.32 s vs 0.11 s for 0.9 GB on 2 cores); on
+        # CUDA into pinned memory. Staging stays synchronous: the loop may change parameters as
+        # soon as save() returns.
+        cuda = torch.cuda.is_available()
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=False)) \
+            if cfg.async_save else None
         self.tier = None  # rank 0 alone commits, uploads and pulls
         if cfg.persistent_url and rank == 0:
             self.tier = PersistentTier(cfg.persistent_url, MANIFEST_NAME)
@@ -212,7 +221,8 @@ class CheckpointManager:
         dist.barrier()
         started = time.perf_counter()
         if self.cfg.async_save:
-            future = dcp.async_save(state, checkpoint_id=partial, process_group=self.async_group)
+            future = dcp.async_save(state, checkpoint_id=partial, process_group=self.async_group,
+                                    async_stager=self.stager)
         else:
             future = Future()
             future.set_result(dcp.save(state, checkpoint_id=partial))
@@ -237,6 +247,8 @@ class CheckpointManager:
     def close(self) -> None:
         """Collective: wait for the last save, then for its upload to the persistent tier."""
         self.wait()
+        if self.stager is not None:
+            self.stager.close()
         if self.tier is not None:
             self.tier.close()
 
