@@ -70,28 +70,18 @@ def build_model_parts(cfg: Config, args: ModelArgs, dims: ParallelDims, mesh: De
     return parts
 
 
-def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id: str | None) -> None:
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
-    mesh, dp_mesh = dims.build_mesh(device.type)
-    param_dtype = resolve_precision(cfg.train.precision, device.type)
-    data_dir = Path(cfg.data.out_dir)
-    manifest = read_manifest(data_dir)
-    args = model_args(cfg, manifest["vocab_size"])
-    parts = build_model_parts(cfg, args, dims, mesh, device, param_dtype)
+def build_train_step(cfg: Config, dims: ParallelDims, mesh: DeviceMesh, dp_mesh: DeviceMesh,
+                     parts: list[tuple[int, nn.Module]], device: torch.device,
+                     param_dtype: torch.dtype) -> TrainStep:
+    """Optimizers and LR schedules per model part, the fp16 loss scaler, and the pipeline
+    schedule when there is one."""
     modules = [module for _, module in parts]
     optimizers = [build_optimizer(module, cfg.train) for module in modules]
-    schedulers = [build_lr_scheduler(optimizer, cfg.train) for optimizer in optimizers]
     scaler = DynamicLossScaler() if param_dtype == torch.float16 else None
-    loader = ShardedSampleLoader(
-        split_shards(data_dir, manifest, "train"),
-        local_batch_size=cfg.train.global_batch_size // dims.dp,
-        dp_rank=dp_mesh.get_local_rank(),
-        dp_size=dims.dp,
-        seed=cfg.train.seed,
-    )
     stage_ids = [stage_id for stage_id, _ in parts]
     train_step = TrainStep(
-        parts=modules, optimizers=optimizers, schedulers=schedulers,
+        parts=modules, optimizers=optimizers,
+        schedulers=[build_lr_scheduler(optimizer, cfg.train) for optimizer in optimizers],
         grad_accum_steps=cfg.train.grad_accum_steps, grad_clip=cfg.train.grad_clip, device=device,
         dp_group=dp_mesh.get_group(),
         pp_group=mesh["pp"].get_group() if dims.pp_enabled else None,
@@ -107,9 +97,28 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
             loss_fn=lambda logits, targets: scaled_loss(
                 logits, targets, cfg.train.grad_accum_steps * cfg.parallel.pp_microbatches, scaler),
         )
+    return train_step
 
-    trainer_state = TrainerState(schedulers, loader, scaler)
-    state = {"model": ModelState(modules), "optim": OptimizerState(modules, optimizers),
+
+def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id: str | None) -> None:
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    mesh, dp_mesh = dims.build_mesh(device.type)
+    param_dtype = resolve_precision(cfg.train.precision, device.type)
+    data_dir = Path(cfg.data.out_dir)
+    manifest = read_manifest(data_dir)
+    args = model_args(cfg, manifest["vocab_size"])
+    parts = build_model_parts(cfg, args, dims, mesh, device, param_dtype)
+    train_step = build_train_step(cfg, dims, mesh, dp_mesh, parts, device, param_dtype)
+    loader = ShardedSampleLoader(
+        split_shards(data_dir, manifest, "train"),
+        local_batch_size=cfg.train.global_batch_size // dims.dp,
+        dp_rank=dp_mesh.get_local_rank(),
+        dp_size=dims.dp,
+        seed=cfg.train.seed,
+    )
+    trainer_state = TrainerState(train_step.schedulers, loader, train_step.scaler)
+    state = {"model": ModelState(train_step.parts),
+             "optim": OptimizerState(train_step.parts, train_step.optimizers),
              "train": trainer_state, "rng": RNGState(rank)}
     data_manifest = {"path": str(data_dir / MANIFEST_NAME),
                      "sha256": sha256_file(data_dir / MANIFEST_NAME)}
