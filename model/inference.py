@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from forgeline.model.checkpoint import load_model_weights, read_checkpoint_manifest
-from forgeline.model.llama import ModelArgs, Transformer
+from forgeline.model.llama import KVCache, ModelArgs, Transformer
 
 BUNDLE_WEIGHTS = "model.safetensors"
 BUNDLE_ARGS = "model_args.json"
@@ -52,24 +52,52 @@ def load_bundle(bundle_dir: str | Path, device: torch.device | str = "cpu") -> T
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
              stop_token: int | None = None, stop: Callable[[list[int]], bool] | None = None,
              generator: torch.Generator | None = None) -> list[int]:
-    """Greedy (temperature 0) or sampled continuation of `prompt`; returns the new tokens.
-    Ends at `stop_token`, or once `stop(new_tokens)` is true. The context is cut to the
-    model's last max_seq_len tokens."""
+    """One prompt's continuation; see generate_batch."""
+    row_stop = None if stop is None else (lambda row, new: stop(new))
+    return generate_batch(model, [prompt], max_new_tokens, temperature, stop_token, row_stop, generator)[0]
+
+
+@torch.no_grad()
+def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
+                   temperature: float = 0.0, stop_token: int | None = None,
+                   stop: Callable[[int, list[int]], bool] | None = None,
+                   generator: torch.Generator | None = None) -> list[list[int]]:
+    """Greedy (temperature 0) or sampled continuations of `prompts`, decoded together with a
+    KV cache; returns each prompt's new tokens. A row ends at `stop_token` (not included) or
+    once `stop(row, new_tokens)` is true. Prompts are cut to their last max_seq_len -
+    max_new_tokens tokens."""
     device = next(model.parameters()).device
-    tokens = list(prompt)
-    new: list[int] = []
-    for _ in range(max_new_tokens):
-        window = torch.tensor([tokens[-model.args.max_seq_len:]], device=device)
-        logits = model(window)[0, -1].float()  # (V,)
+    keep = model.args.max_seq_len - max_new_tokens
+    if keep < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in "
+                         f"max_seq_len={model.args.max_seq_len}")
+    prompts = [p[-keep:] for p in prompts]
+    width = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    cache = KVCache(model.args, len(prompts), width + max_new_tokens, device, next(model.parameters()).dtype)
+    for row, prompt in enumerate(prompts):  # left-padded: every row's next token is at `width`
+        tokens[row, width - len(prompt):] = torch.tensor(prompt, device=device)
+        cache.valid[row, width - len(prompt):width] = True
+    logits = model(tokens, cache)[:, -1].float()  # (B, V)
+    new: list[list[int]] = [[] for _ in prompts]
+    running = [True] * len(prompts)
+    for step in range(max_new_tokens):
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=generator))
+            chosen = torch.multinomial(probs, 1, generator=generator)[:, 0]
         else:
-            token = int(logits.argmax())
-        if token == stop_token:
+            chosen = logits.argmax(-1)
+        for row, token in enumerate(chosen.tolist()):
+            if not running[row]:
+                continue
+            if token == stop_token:
+                running[row] = False
+                continue
+            new[row].append(token)
+            if stop is not None and stop(row, new[row]):
+                running[row] = False
+        if not any(running) or step == max_new_tokens - 1:
             break
-        tokens.append(token)
-        new.append(token)
-        if stop is not None and stop(new):
-            break
+        cache.valid[:, width + step] = True
+        logits = model(chosen[:, None], cache)[:, -1].float()
     return new

@@ -79,6 +79,47 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return torch.stack([real, imag], dim=-1).flatten(-2).type_as(x)
 
 
+class KVCache:
+    """Keys and values of the positions decoded so far, for incremental decoding (inference
+    only). Prompts of different lengths share one grid of positions, left-padded; `valid` marks
+    the positions that hold real tokens. Rotary embeddings only see relative positions, so the
+    padding shifts nothing."""
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, device: torch.device, dtype: torch.dtype):
+        shape = (batch, args.n_kv_heads, max_len, args.head_dim)
+        self.keys = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
+        self.values = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.length = 0  # positions filled
+        self.mask: torch.Tensor | None = None  # (B, 1, T, length + T) of the forward in progress
+
+    def begin(self, new: int) -> None:
+        """Before a forward of `new` positions: each sees the valid positions up to itself, and
+        always itself (a padding position attending to nothing would turn into NaN)."""
+        end = self.length + new
+        queries = torch.arange(self.length, end, device=self.valid.device)[:, None]
+        keys = torch.arange(end, device=self.valid.device)[None, :]
+        visible = self.valid[:, None, :end] & (keys <= queries)[None] | (keys == queries)[None]
+        self.mask = visible[:, None]  # (B, 1, T, end)
+
+    def append(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this forward's (B, H_kv, T, D) keys and values; return all of them so far."""
+        end = self.length + k.size(2)
+        self.keys[layer][:, :, self.length:end] = k
+        self.values[layer][:, :, self.length:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def end(self, new: int) -> None:
+        self.length += new
+        self.mask = None
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep (or repeat) batch rows: e.g. one prompt's cache for each of its continuations."""
+        self.keys = {k: v.index_select(0, rows) for k, v in self.keys.items()}
+        self.values = {k: v.index_select(0, rows) for k, v in self.values.items()}
+        self.valid = self.valid.index_select(0, rows)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -90,7 +131,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
+                layer: str = "") -> torch.Tensor:
         B, T, _ = x.shape
         # -1 instead of the head counts: under tensor parallelism each rank holds a slice.
         q = self.wq(x).view(B, T, -1, self.head_dim)
@@ -98,9 +140,12 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads
-        )
+        gqa = self.n_heads != self.n_kv_heads
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            k, v = cache.append(layer, k, v)  # (B, H_kv, S, D): the past and these positions
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -125,8 +170,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
+                layer: str = "") -> torch.Tensor:
+        # cache and layer by keyword: tensor parallelism's PrepareModuleInput lays out the
+        # positional inputs (x, rope) only.
+        x = x + self.attention(self.attention_norm(x), rope, cache=cache, layer=layer)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -151,10 +199,18 @@ class Transformer(nn.Module):
             "rope", rope_cache(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False
         )
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """With `cache`, `tokens` continue the positions it holds (incremental decoding)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, C)
-        for layer in self.layers.values():
-            h = layer(h, self.rope)
+        T = h.size(1)
+        rope = self.rope
+        if cache is not None:
+            rope = self.rope[cache.length:cache.length + T]
+            cache.begin(T)
+        for key, layer in self.layers.items():
+            h = layer(h, rope, cache=cache, layer=key)
+        if cache is not None:
+            cache.end(T)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h  # (B, T, V)
 

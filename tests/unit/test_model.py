@@ -1,7 +1,7 @@
 import torch
 
-from forgeline.model.inference import generate
-from forgeline.model.llama import ModelArgs, Transformer
+from forgeline.model.inference import generate, generate_batch
+from forgeline.model.llama import KVCache, ModelArgs, Transformer
 from forgeline.model.metrics import straggler
 
 ARGS = ModelArgs(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
@@ -67,3 +67,36 @@ def test_a_rank_well_above_the_median_is_named_a_straggler() -> None:
     assert straggler([0.10, 0.11, 0.10, 0.30]) == 3
     assert straggler([0.10, 0.11, 0.10, 0.115]) is None
     assert straggler([0.2]) is None
+
+
+def greedy_without_cache(model: Transformer, prompt: list[int], steps: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+def test_cached_decoding_matches_full_forward_passes() -> None:
+    model = build().eval()
+    tokens = torch.randint(0, 97, (1, 12))
+    full = model(tokens)
+    cache = KVCache(ARGS, 1, 12, torch.device("cpu"), torch.float32)
+    cache.valid[:, :12] = True
+    prefix = model(tokens[:, :5], cache)
+    steps = [model(tokens[:, i:i + 1], cache) for i in range(5, 12)]
+    torch.testing.assert_close(torch.cat([prefix, *steps], dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_generation_of_uneven_prompts_matches_one_at_a_time() -> None:
+    model = build().eval()
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13], [42]]
+    batched = generate_batch(model, prompts, max_new_tokens=6)
+    for prompt, new in zip(prompts, batched, strict=True):
+        assert new == greedy_without_cache(model, prompt, 6)
+        assert new == generate(model, prompt, max_new_tokens=6)
+
+
+def test_sampling_is_reproducible_with_a_generator() -> None:
+    model = build().eval()
+    draw = lambda: generate(model, [1, 2], 8, temperature=1.0, generator=torch.Generator().manual_seed(3))  # noqa: E731
+    assert draw() == draw()
