@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 
 from forgeline.eval.lm import ForgelineLM
+from forgeline.model.hf import export_hf
 from forgeline.model.inference import save_bundle
 from forgeline.model.llama import ModelArgs, Transformer
 
@@ -82,5 +83,48 @@ def test_generate_until_cuts_at_the_stop_sequence(lm: ForgelineLM) -> None:
 
 
 def test_exactly_one_model_source_is_required(data_root: Path) -> None:
-    with pytest.raises(ValueError, match="exactly one of checkpoint"):
+    with pytest.raises(ValueError, match="exactly one of checkpoint=..., bundle=... or hf=..."):
         ForgelineLM(tokenizer=str(data_root / "data" / "tokenizer"))
+
+
+def test_a_shared_context_is_computed_once(lm: ForgelineLM) -> None:
+    tokens: list[int] = []
+    hook = lm.model.register_forward_hook(lambda module, args, out: tokens.append(args[0].numel()))
+    try:
+        # Four one-token answers to one question: the context is the only input.
+        context = lm.tok_encode("Question: who is the Prince of Denmark? Answer:")
+        scores = lm._loglikelihood_tokens([(None, context, [answer]) for answer in (40, 41, 42, 43)])
+    finally:
+        hook.remove()
+    assert sum(tokens) == len(context) and len(set(scores)) == 4
+
+
+def test_shared_context_scores_equal_whole_input_scores(lm: ForgelineLM) -> None:
+    context = lm.tok_encode("HAMLET: To be, or not to be, that is the question:")
+    choices = [" Whether 'tis nobler", " in the mind to suffer", " the slings", " and arrows of fortune"]
+    requests = [(None, context, lm.tok_encode(c)) for c in choices]
+    requests.append((None, lm.tok_encode("A different question"), lm.tok_encode(" alone")))
+    for (score, _greedy), (_, ctx, cont) in zip(lm._loglikelihood_tokens(requests), requests, strict=True):
+        assert score == pytest.approx(direct_logprob(lm, ctx + cont, len(cont)), abs=1e-4)
+
+
+def test_batched_generation_matches_one_request_at_a_time(lm: ForgelineLM) -> None:
+    settings = {"until": ["\n\n"], "max_gen_toks": 10}
+    requests = [request("generate_until", prompt, settings) for prompt in
+                ("ROMEO:", "JULIET: O Romeo, Romeo,", "To be", "Enter HAMLET and HORATIO")]
+    batched = lm.generate_until(requests)
+    lm.batch_size = 1
+    try:
+        single = lm.generate_until(requests)
+    finally:
+        lm.batch_size = 4
+    assert batched == single
+
+
+def test_a_hugging_face_export_loads_with_the_same_scores(lm: ForgelineLM, data_root: Path,
+                                                          tmp_path: Path) -> None:
+    export_hf(lm.model, data_root / "data" / "tokenizer", tmp_path / "hf")
+    from_hf = ForgelineLM(hf=str(tmp_path / "hf"), tokenizer=str(tmp_path / "hf"), batch_size=4)
+    reqs = [request("loglikelihood", "Question: who?", " Hamlet"), request("loglikelihood", "Be", " not")]
+    for (a, _), (b, _) in zip(lm.loglikelihood(reqs), from_hf.loglikelihood(reqs), strict=True):
+        assert a == pytest.approx(b, abs=1e-4)

@@ -1,0 +1,66 @@
+"""The forgeline backend and lm-eval's own `hf` backend, on the same trained model (exported to
+Hugging Face format) and the same task subset, score every item alike: the same per-item
+choices and metrics, log-likelihoods within float tolerance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lm_eval
+import pytest
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+
+from forgeline.eval.lm import ForgelineLM
+from forgeline.eval.suite import render_suite
+from forgeline.model.hf import export_hf
+from forgeline.model.inference import load_from_checkpoint
+from forgeline.tasks.train import train_model
+from tests.conftest import debug_config
+
+pytestmark = pytest.mark.integration
+
+TASKS = ["forgeline_arc_easy", "forgeline_hellaswag", "forgeline_heldout"]
+LIMIT = 12
+
+
+@pytest.fixture(scope="module")
+def exported(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("eval-parity")
+    result = train_model(debug_config(root, f"data.out_dir={data_root / 'data'}", "train.steps=40",
+                                      "train.peak_tflops=1"))
+    return export_hf(load_from_checkpoint(result.checkpoint), data_root / "data" / "tokenizer", root / "hf")
+
+
+def loglikelihood(response: float | tuple[float, bool]) -> float:
+    """A filtered response is the log-likelihood, or (log-likelihood, is_greedy)."""
+    return response[0] if isinstance(response, list | tuple) else response
+
+
+def numbers(results: dict) -> dict[str, float]:
+    """The metrics of a task's results (without alias and the "N/A" standard errors)."""
+    return {k: v for k, v in results.items() if isinstance(v, int | float)}
+
+
+def evaluate(task_manager: TaskManager, model: object) -> dict:
+    return lm_eval.simple_evaluate(model=model, tasks=TASKS, limit=LIMIT, task_manager=task_manager,
+                                   log_samples=True, bootstrap_iters=0)
+
+
+def test_forgeline_and_hf_backends_agree_item_by_item(exported: Path, data_root: Path,
+                                                      tmp_path: Path) -> None:
+    task_manager = TaskManager(include_path=str(render_suite(tmp_path / "tasks", data_root / "data")))
+    ours = evaluate(task_manager, ForgelineLM(hf=str(exported), tokenizer=str(exported), batch_size=4))
+    reference = HFLM(pretrained=str(exported), dtype="float32", device="cpu", batch_size=4)
+    theirs = evaluate(task_manager, reference)
+    for task in TASKS:
+        for mine, hf_item in zip(ours["samples"][task], theirs["samples"][task], strict=True):
+            assert mine["doc_id"] == hf_item["doc_id"]
+            a, b = mine["filtered_resps"], hf_item["filtered_resps"]
+            if isinstance(a, list):  # multiple choice: a log-likelihood per choice
+                a, b = [loglikelihood(x) for x in a], [loglikelihood(x) for x in b]
+                assert a == pytest.approx(b, abs=1e-3)
+                assert a.index(max(a)) == b.index(max(b))  # the same answer chosen
+            else:  # rolling log-likelihood of a document
+                assert a == pytest.approx(b, rel=1e-5)
+        assert numbers(ours["results"][task]) == pytest.approx(numbers(theirs["results"][task]), rel=1e-5)
