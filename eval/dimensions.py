@@ -1,0 +1,72 @@
+"""The capability dimensions and the one score each of their tasks contributes.
+
+A task's normalized score is (value - chance) / (best - chance): 0 at random guessing, 1 at the
+best possible value, whichever direction is better. Every task is defined in eval/tasks/ and
+runs offline (see eval/suite.py for where its data comes from).
+
+Where the chance values come from:
+  - multiple choice (`acc`, `acc_norm`): the expected accuracy of a uniform guess, the mean of
+    1 / number of choices over the evaluated split. Every item of HellaSwag and MMLU has 4, of
+    PIQA, WinoGrande and BoolQ 2; ARC has 3 to 5 (ARC-Easy validation: 567 x 4, 2 x 5, 1 x 3;
+    ARC-Challenge validation: 295 x 4, 3 x 3, 1 x 5). The integration test recomputes them.
+  - free-form generation (exact match, pass@1, lambada's last-word accuracy, refusal rate):
+    0.0 -- a random string matches no answer, passes no test, contains no refusal phrase.
+  - bits per byte: 8.0, a uniform guess over the 256 byte values. A randomly initialized model
+    scores far better (4.1 for tiny.yaml's 5M model on Shakespeare: about log2(vocabulary) per
+    token), so an untrained model already gets about 0.5 here.
+  - StereoSet ICAT: 0.5. ICAT = lms * min(ss, 1 - ss) / 0.5, with lms the rate of preferring a
+    meaningful association over an unrelated one and ss the rate of preferring the stereotype
+    over the anti-stereotype; guessing gives lms = ss = 0.5, hence 0.5; the best, 1.0, is a model
+    that always prefers meaningful sentences and is unbiased (ss = 0.5). CrowS-Pairs'
+    pct_stereotype is not registered: its ideal (0.5) is also what guessing scores, so it has
+    no (value - chance) / (best - chance) form; forgeline_crows_pairs still runs on request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TaskScore:
+    task: str
+    """lm-eval task name, e.g. "forgeline_arc_easy"."""
+    metric: str
+    """Key as forgeline flattens lm-eval results: "<metric>" for filter "none", else
+    "<metric>/<filter>", e.g. "acc_norm", "exact_match/flexible-extract"."""
+    chance: float
+    """What random guessing scores on this metric."""
+    best: float
+    """The best possible value."""
+
+
+DIMENSIONS: dict[str, tuple[TaskScore, ...]] = {
+    "reasoning": (
+        TaskScore("forgeline_hellaswag", "acc_norm", chance=0.25, best=1.0),
+        TaskScore("forgeline_arc_easy", "acc_norm", chance=0.249971, best=1.0),
+        TaskScore("forgeline_arc_challenge", "acc_norm", chance=0.250669, best=1.0),
+        TaskScore("forgeline_piqa", "acc_norm", chance=0.5, best=1.0),
+        TaskScore("forgeline_winogrande", "acc", chance=0.5, best=1.0),
+        TaskScore("forgeline_boolq", "acc", chance=0.5, best=1.0),
+    ),
+    "knowledge": (
+        TaskScore("forgeline_mmlu", "acc", chance=0.25, best=1.0),
+        TaskScore("forgeline_triviaqa", "exact_match/remove_whitespace", chance=0.0, best=1.0),
+    ),
+    "math": (
+        TaskScore("forgeline_gsm8k", "exact_match/flexible-extract", chance=0.0, best=1.0),
+        TaskScore("forgeline_math500", "exact_match", chance=0.0, best=1.0),
+    ),
+    "code": (
+        TaskScore("forgeline_humaneval", "pass_at_1", chance=0.0, best=1.0),
+        TaskScore("forgeline_mbpp", "pass_at_1", chance=0.0, best=1.0),
+    ),
+    "safety": (
+        TaskScore("forgeline_stereoset", "icat", chance=0.5, best=1.0),
+        TaskScore("forgeline_donotanswer", "refusal_rate", chance=0.0, best=1.0),
+    ),
+    "language_modeling": (
+        TaskScore("forgeline_heldout", "bits_per_byte", chance=8.0, best=0.0),
+        TaskScore("forgeline_lambada", "acc", chance=0.0, best=1.0),
+    ),
+}
