@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -117,13 +117,19 @@ def format_validation_error(err: ValidationError, source: Path) -> str:
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The config class found by following `loc` (field names and list indexes) from Config."""
+    """The config class found by following `loc` (field names, list indexes, dict keys) from
+    Config."""
     model: type[BaseModel] = Config
+    dict_key_next = False
     for part in loc:
-        if isinstance(part, int):
+        if isinstance(part, int) or dict_key_next:
+            dict_key_next = False
             continue
-        annotation = model.model_fields[part].annotation
-        nested = _first_model(annotation)
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        dict_key_next = get_origin(field.annotation) is dict
+        nested = _first_model(field.annotation)
         if nested is None:
             return None
         model = nested

@@ -358,26 +358,55 @@ class CheckpointConfig(Section):
     For s3, credentials and endpoint come from the usual AWS environment variables."""
 
 
-class EvalConfig(Section):
-    """Eval stage: lm-evaluation-harness with the registered `forgeline` model class,
-    offline, on task definitions under eval/tasks/."""
+Dimension = Literal["reasoning", "knowledge", "math", "code", "safety", "language_modeling"]
+DIMENSIONS = ("reasoning", "knowledge", "math", "code", "safety", "language_modeling")
 
-    out_dir: str = "artifacts/eval"
-    """Where metrics.json (scores, a DVC metrics file) and lm_eval_results.json are written."""
 
-    tasks: list[str] = Field(
-        default_factory=lambda: ["forgeline_heldout", "forgeline_arc_easy"], min_length=1
-    )
-    """lm-eval task names, from eval/tasks/ (offline) or lm-eval's own registry."""
+class DimensionConfig(Section):
+    """How one capability dimension is evaluated."""
 
-    limit: PositiveInt | None = 200
+    tasks: list[str] | None = None
+    """lm-eval tasks of this dimension (names from eval/dimensions.py); None: all of them."""
+
+    limit: PositiveInt | None = 50
     """Items per task (None: all)."""
 
     num_fewshot: int = Field(0, ge=0)
     """Few-shot examples per prompt."""
 
+
+class InTrainingEvalConfig(Section):
+    """A small evaluation of committed checkpoints while training runs, in a separate process
+    (the ranks never wait for it), logged with the training metrics."""
+
+    every_steps: int = Field(0, ge=0)
+    """Evaluate the checkpoint of every this-many steps; 0 disables. A multiple of
+    checkpoint.every_steps."""
+
+    tasks: list[str] = Field(default_factory=lambda: ["forgeline_heldout"], min_length=1)
+    """lm-eval tasks to run."""
+
+    limit: PositiveInt | None = 20
+    """Items per task (None: all)."""
+
+
+class EvalConfig(Section):
+    """Eval stage: lm-evaluation-harness with the registered `forgeline` model class, offline, on
+    the task suite of eval/tasks/, scored per capability dimension."""
+
+    out_dir: str = "artifacts/eval"
+    """Where report.json, metrics.json (a DVC metrics file), lm_eval_results.json and
+    dimensions.png are written."""
+
+    dimensions: dict[Dimension, DimensionConfig] = Field(
+        default_factory=lambda: {name: DimensionConfig() for name in DIMENSIONS}, min_length=1)
+    """Dimensions to evaluate and how; each gets a score, their mean is the overall score."""
+
     batch_size: PositiveInt = 16
-    """Requests scored per forward pass."""
+    """Requests scored or generated per forward pass."""
+
+    during_training: InTrainingEvalConfig = Field(default_factory=InTrainingEvalConfig)
+    """Evaluation while training runs."""
 
 
 class RegistryConfig(Section):
@@ -432,6 +461,10 @@ class Config(Section):
                 f"the per-rank batch of one accumulation step, {local} sequences, must divide into "
                 f"parallel.pp_microbatches={par.pp_microbatches}"
             )
+        every, saves = self.eval.during_training.every_steps, self.checkpoint.every_steps
+        if every and every % saves:
+            raise ValueError(f"eval.during_training.every_steps={every} must be a multiple of "
+                             f"checkpoint.every_steps={saves}: it evaluates saved checkpoints")
         if par.num_stages > self.model.n_layers:
             raise ValueError(
                 f"{par.num_stages} pipeline stages (pp={par.pp} x pp_stages_per_rank="
@@ -453,11 +486,17 @@ class Config(Section):
         return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()
 
     def flat(self) -> dict[str, str]:
-        """`section.key -> value` pairs, as logged to MLflow params."""
+        """`section.key[.subkey...] -> value` pairs, as logged to MLflow params; lists as JSON."""
         out: dict[str, str] = {}
-        for section, fields in self.model_dump(mode="json").items():
-            for key, value in fields.items():
-                out[f"{section}.{key}"] = json.dumps(value) if isinstance(value, list) else str(value)
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    walk(f"{prefix}.{key}" if prefix else str(key), item)
+            else:
+                out[prefix] = json.dumps(value) if isinstance(value, list) else str(value)
+
+        walk("", self.model_dump(mode="json"))
         return out
 
 

@@ -5,6 +5,7 @@
     forgeline config show [--config PATH] [--set ...] [--docs]
     forgeline plan --nodes N --accelerators-per-node K --memory-gib G [...] [--write-config OUT]
     forgeline checkpoints {list,verify,rollback,export} [...]
+    forgeline lm-eval ARGS...   (lm-eval's own command line, with the `forgeline` model class)
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print every section and field with its default and meaning instead")
     add_plan_parser(verbs)
     add_checkpoints_parser(verbs)
+    verbs.add_parser(
+        "lm-eval", add_help=False,
+        help="lm-evaluation-harness's command line with the `forgeline` model class registered "
+             "(every argument is lm-eval's; `forgeline lm-eval --help` shows them)")
     return parser
 
 
@@ -119,6 +124,9 @@ def add_plan_parser(verbs: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["lm-eval"]:
+        return run_lm_eval(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call
@@ -214,14 +222,28 @@ def checkpoint_action(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_lm_eval(lm_eval_args: list[str]) -> int:
+    """lm-eval 0.4 has no plugin entry point for model classes: register ours, then hand its
+    command line every argument. Offline by default like the rest of forgeline; the eval stage's
+    rendered suite is at <eval.out_dir>/tasks (pass it with --include_path)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    import forgeline.eval.lm  # noqa: F401  (registers the `forgeline` model class)
+
+    sys.argv = ["lm-eval", *lm_eval_args]
+    cli_evaluate()
+    return 0
+
+
 def run_pipeline(config: str | None, overrides: list[str]) -> int:
     from forgeline.flows.pipeline import pipeline_flow
 
     result = pipeline_flow(config=config, overrides=overrides)
     print(f"MLflow run: {result.run_id}")
     print(f"Registered model: {result.model_name} version {result.model_version}")
-    for name, value in sorted(result.metrics.items()):
-        print(f"  {name}: {value:.4f}")
+    print(f"Eval (chance-normalized, 0 = chance, 1 = best): overall {result.overall:.3f}")
+    for name, score in result.dimensions.items():
+        print(f"  {name}: {score:.3f}")
     return 0
 
 

@@ -17,7 +17,8 @@ class PipelineResult:
     run_id: str
     model_name: str
     model_version: str
-    metrics: dict[str, float]
+    overall: float
+    dimensions: dict[str, float]
 
 
 @flow(name="forgeline-pipeline")
@@ -32,4 +33,5 @@ def pipeline_flow(config: str | None = None, overrides: list[str] | None = None)
         evaluation = eval_task(cfg, parent.run_id)
         registered = register_task(cfg, parent.run_id)
     return PipelineResult(run_id=parent.run_id, model_name=registered.model_name,
-                          model_version=registered.version, metrics=evaluation.metrics)
+                          model_version=registered.version, overall=evaluation.overall,
+                          dimensions=evaluation.dimensions)

@@ -1,8 +1,14 @@
 """Eval stage: lm-evaluation-harness on the trained checkpoint through the registered
-`forgeline` model class, offline, on the suite under eval/tasks/.
+`forgeline` model class, offline, on the suite under eval/tasks/, scored per capability
+dimension.
 
-Output (`eval.out_dir`): `metrics.json` (flat `task/metric` scores; the DVC metrics file),
-`lm_eval_results.json` (lm-eval's full results) and `tasks/` (the rendered task YAMLs that ran).
+Each task's value is chance-normalized -- (value - chance) / (best - chance): 0 is random
+guessing, 1 perfect -- a dimension's score is the mean over its tasks and the overall score the
+mean over dimensions (eval/dimensions.py says which metric, chance and best each task has).
+
+Output (`eval.out_dir`): `report.json` (scores per dimension and task), `metrics.json` (flat;
+the DVC metrics file), `lm_eval_results.json` (lm-eval's results per dimension),
+`dimensions.png` (a chart of the dimension scores), `tasks/` (the rendered task YAMLs that ran).
 """
 
 from __future__ import annotations
@@ -15,8 +21,11 @@ from pathlib import Path
 
 import lm_eval
 from lm_eval.tasks import TaskManager
+from matplotlib.figure import Figure
 
 from forgeline.configs import Config
+from forgeline.configs.schema import DimensionConfig, EvalConfig
+from forgeline.eval.dimensions import DIMENSIONS, TaskScore
 from forgeline.eval.lm import ForgelineLM
 from forgeline.eval.suite import render_suite
 from forgeline.model.checkpoint import CheckpointError, verify_checkpoint
@@ -26,49 +35,74 @@ from forgeline.tasks.train import read_train_summary
 log = logging.getLogger(__name__)
 
 METRICS_NAME = "metrics.json"
+REPORT_NAME = "report.json"
+CHART_NAME = "dimensions.png"
 
 
 @dataclass(frozen=True)
 class EvalResult:
     out_dir: str
     checkpoint: str
-    metrics: dict[str, float]
+    overall: float
+    dimensions: dict[str, float]
+    metrics: dict[str, float]  # flat: every task metric, "dimension/<name>" and "overall"
+
+    def markdown(self) -> str:
+        rows = [f"| {name} | {score:.3f} |" for name, score in self.dimensions.items()]
+        overall = f"| **overall** | **{self.overall:.3f}** |"
+        return "\n".join(["| dimension | score |", "|---|---|", *rows, overall])
+
+
+def plan_tasks(ecfg: EvalConfig) -> dict[str, tuple[list[TaskScore], DimensionConfig]]:
+    """The registered tasks each configured dimension runs; unknown names fail here, before
+    any model is loaded."""
+    plan = {}
+    for name, dcfg in ecfg.dimensions.items():
+        registered = {score.task: score for score in DIMENSIONS[name]}
+        wanted = dcfg.tasks if dcfg.tasks is not None else list(registered)
+        unknown = [task for task in wanted if task not in registered]
+        if unknown:
+            raise ValueError(f"eval.dimensions.{name}.tasks: {unknown} are not {name} tasks; "
+                             f"available: {sorted(registered)}")
+        plan[name] = ([registered[task] for task in wanted], dcfg)
+    return plan
 
 
 def evaluate_model(cfg: Config) -> EvalResult:
-    ecfg = cfg.eval
+    plan = plan_tasks(cfg.eval)
     checkpoint = Path(read_train_summary(cfg).checkpoint)
     problems = verify_checkpoint(checkpoint)
     if problems:
         raise CheckpointError(f"trained checkpoint {checkpoint} is not usable: {'; '.join(problems)}")
-    data_dir = Path(cfg.data.out_dir)
-    out_dir = Path(ecfg.out_dir)
+    data_dir, out_dir = Path(cfg.data.out_dir), Path(cfg.eval.out_dir)
     task_manager = TaskManager(include_path=str(render_suite(out_dir / "tasks", data_dir)))
-    unknown = [t for t in ecfg.tasks if t not in task_manager.all_tasks]
-    if unknown:
-        raise ValueError(f"eval.tasks: unknown task(s) {unknown}; offline tasks here: "
-                         f"{sorted(t for t in task_manager.all_tasks if t.startswith('forgeline_'))}")
-
     lm = ForgelineLM(checkpoint=str(checkpoint), tokenizer=str(data_dir / "tokenizer"),
-                     batch_size=ecfg.batch_size)
-    log.info("evaluating %s on %s (limit %s)", checkpoint, ", ".join(ecfg.tasks), ecfg.limit)
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(ecfg.tasks),
-        num_fewshot=ecfg.num_fewshot,
-        limit=ecfg.limit,
-        task_manager=task_manager,
-        log_samples=False,
-        bootstrap_iters=0,
-        random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
-    )
-    metrics = flatten_scores(results["results"])
+                     batch_size=cfg.eval.batch_size)
+    raw: dict[str, float] = {}
+    full_results = {}
+    for name, (scores, dcfg) in plan.items():
+        log.info("evaluating %s: %s (limit %s, %d-shot)", name, ", ".join(s.task for s in scores),
+                 dcfg.limit, dcfg.num_fewshot)
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=[s.task for s in scores], num_fewshot=dcfg.num_fewshot, limit=dcfg.limit,
+            task_manager=task_manager, log_samples=False, bootstrap_iters=0,
+            random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
+        )
+        full_results[name] = results
+        raw |= flatten_scores(results["results"])
+    report = aggregate(raw, {name: scores for name, (scores, _) in plan.items()})
+    dimensions = {name: entry["score"] for name, entry in report["dimensions"].items()}
+    metrics = raw | {f"dimension/{name}": score for name, score in dimensions.items()}
+    metrics["overall"] = report["overall"]
+    result = EvalResult(out_dir=str(out_dir), checkpoint=str(checkpoint), overall=report["overall"],
+                        dimensions=dimensions, metrics=metrics)
     write_text_atomic(out_dir / "lm_eval_results.json",
-                      json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
+                      json.dumps(full_results, indent=2, sort_keys=True, default=str) + "\n")
+    write_text_atomic(out_dir / REPORT_NAME, json.dumps(report, indent=2) + "\n")
     write_text_atomic(out_dir / METRICS_NAME, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    for name, value in metrics.items():
-        log.info("%s = %.4f", name, value)
-    return EvalResult(out_dir=str(out_dir), checkpoint=str(checkpoint), metrics=metrics)
+    plot_dimensions(dimensions, result.overall, out_dir / CHART_NAME)
+    log.info("eval scores:\n%s", result.markdown())
+    return result
 
 
 def flatten_scores(results: dict[str, dict]) -> dict[str, float]:
@@ -86,6 +120,44 @@ def flatten_scores(results: dict[str, dict]) -> dict[str, float]:
             name = f"{task}/{metric}" if flt == "none" else f"{task}/{metric}/{flt}"
             flat[name] = float(value)
     return flat
+
+
+def normalized(value: float, score: TaskScore) -> float:
+    """0 at chance, 1 at the best possible value, whichever direction is better."""
+    return (value - score.chance) / (score.best - score.chance)
+
+
+def aggregate(raw: dict[str, float], plan: dict[str, list[TaskScore]]) -> dict:
+    """Dimension scores (mean of their tasks' normalized values) and the overall score (mean of
+    the dimensions). A registered metric missing from the results is an error, not a zero."""
+    dimensions = {}
+    for name, scores in plan.items():
+        tasks = {}
+        for score in scores:
+            key = f"{score.task}/{score.metric}"
+            if key not in raw:
+                raise KeyError(f"{key} is not among the results; the task produced: "
+                               f"{sorted(k for k in raw if k.startswith(score.task + '/'))}")
+            tasks[score.task] = {"metric": score.metric, "value": raw[key],
+                                 "normalized": normalized(raw[key], score)}
+        dimensions[name] = {"score": sum(t["normalized"] for t in tasks.values()) / len(tasks),
+                            "tasks": tasks}
+    overall = sum(d["score"] for d in dimensions.values()) / len(dimensions)
+    return {"overall": overall, "dimensions": dimensions}
+
+
+def plot_dimensions(dimensions: dict[str, float], overall: float, path: Path) -> None:
+    figure = Figure(figsize=(7, 0.5 * len(dimensions) + 1.5))  # no pyplot: no display, no global state
+    axes = figure.subplots()
+    names = list(dimensions)
+    axes.barh(names, [dimensions[n] for n in names], color="#4C72B0")
+    axes.axvline(0, color="black", linewidth=0.8)
+    axes.invert_yaxis()
+    axes.set_xlabel("chance-normalized score (0 = chance, 1 = best)")
+    axes.set_title(f"capability profile -- overall {overall:.3f}")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
 
 
 def read_eval_metrics(cfg: Config) -> dict[str, float]:

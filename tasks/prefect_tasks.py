@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prefect import Task, task
+from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.runtime import task_run
@@ -52,7 +53,10 @@ def _not_unstable(task: Task, task_run: TaskRun, state: State) -> bool:
 
 @task(name="eval", cache_policy=NO_CACHE)
 def eval_task(cfg: Config, parent_run_id: str | None = None) -> EvalResult:
-    return run_eval_stage(cfg, parent_run_id)
+    result = run_eval_stage(cfg, parent_run_id)
+    create_markdown_artifact(markdown=result.markdown(), key="forgeline-eval",
+                             description="Chance-normalized scores per capability dimension")
+    return result
 
 
 @task(name="register", cache_policy=NO_CACHE)

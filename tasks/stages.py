@@ -14,7 +14,7 @@ from forgeline.model.data import MANIFEST_NAME
 from forgeline.model.parallel import resolve_precision
 from forgeline.tasks import STAGES
 from forgeline.tasks.data import DataResult, build_dataset
-from forgeline.tasks.evaluate import METRICS_NAME, EvalResult, evaluate_model, read_eval_metrics
+from forgeline.tasks.evaluate import METRICS_NAME, EvalResult, evaluate_model, plan_tasks, read_eval_metrics
 from forgeline.tasks.register import RegisterResult, register_model
 from forgeline.tasks.tracking import RunTracker, dvc_hash, resolve_tracking_uri, tracked_run
 from forgeline.tasks.train import SUMMARY_NAME, TrainResult, read_train_summary, train_model
@@ -38,10 +38,12 @@ def stage_output_marker(stage: str, cfg: Config) -> Path:
 
 def preflight(cfg: Config, stages: tuple[str, ...]) -> None:
     """What can be checked before any work when `stages` run in order: the first one's
-    upstream outputs exist, and the training precision suits this machine."""
+    upstream outputs exist, the training precision suits this machine, the eval tasks exist."""
     check_stage_inputs(stages[0], cfg)
     if "train" in stages:
         resolve_precision(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
+    if "eval" in stages:
+        plan_tasks(cfg.eval)
 
 
 def check_stage_inputs(stage: str, cfg: Config) -> None:
@@ -102,9 +104,11 @@ def run_eval_stage(cfg: Config, parent_run_id: str | None = None) -> EvalResult:
         run.log_params({k: v for k, v in cfg.flat().items() if k.startswith("eval.")})
         result = evaluate_model(cfg)
         run.log_metrics(result.metrics)
-        run.log_artifact(Path(result.out_dir) / "lm_eval_results.json", "eval")
+        for name in ("report.json", "lm_eval_results.json", "dimensions.png"):
+            run.log_artifact(Path(result.out_dir) / name, "eval")
         if parent := _on_parent(cfg, parent_run_id):
             parent.log_metrics({f"eval/{k}": v for k, v in result.metrics.items()})
+            parent.log_artifact(Path(result.out_dir) / "dimensions.png", "eval")
     return result
 
 
@@ -114,7 +118,8 @@ def run_register_stage(cfg: Config, parent_run_id: str | None = None) -> Registe
     data_version = dvc_hash(cfg.data.out_dir)
     with tracked_run(cfg, "register", parent_run_id) as run:
         version_tags = {DATA_VERSION_TAG: data_version, "forgeline.checkpoint_step": str(train.step),
-                        **{f"eval.{k}": f"{v:.6g}" for k, v in scores.items()}}
+                        **{f"eval.{k}": f"{v:.6g}" for k, v in scores.items()
+                           if k == "overall" or k.startswith("dimension/")}}
         if parent_run_id:
             version_tags["forgeline.pipeline_run_id"] = parent_run_id
         result = register_model(cfg, run, train.checkpoint,

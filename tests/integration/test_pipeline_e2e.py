@@ -50,22 +50,27 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     eval_metrics = by_name["eval"].data.metrics
     assert 0 <= eval_metrics["forgeline_arc_easy/acc"] <= 1
     assert eval_metrics["forgeline_heldout/bits_per_byte"] > 0
+    dimensions = {"reasoning", "knowledge", "math", "code", "safety", "language_modeling"}
+    assert {k.split("/")[1] for k in eval_metrics if k.startswith("dimension/")} == dimensions
+    assert "overall" in eval_metrics and "eval/overall" in parent.data.metrics
+    assert "Eval (chance-normalized, 0 = chance, 1 = best): overall" in done.stdout
     assert by_name["data"].data.metrics["train_samples"] == manifest["splits"]["train"]["samples"]
 
     # Registry: version 1 with lineage and scores, alias `candidate`, and it generates text.
     version = client.get_model_version("forgeline-debug", "1")
     assert version.tags["forgeline.data.dvc_md5"] == dvc_hash(data_dir)
-    assert float(version.tags["eval.forgeline_arc_easy/acc"]) == pytest.approx(
-        eval_metrics["forgeline_arc_easy/acc"], abs=1e-5)
+    assert float(version.tags["eval.overall"]) == pytest.approx(eval_metrics["overall"], abs=1e-5)
     assert str(client.get_model_version_by_alias("forgeline-debug", "candidate").version) == "1"
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     generator = mlflow.pyfunc.load_model("models:/forgeline-debug/1")
     [text] = generator.predict(pd.DataFrame({"prompt": ["ROMEO:"]}), params={"max_new_tokens": 8})
     assert isinstance(text, str) and text
 
-    # Eval and register outputs on disk.
-    assert (tmp_path / "artifacts" / "eval" / "metrics.json").is_file()
-    assert (tmp_path / "artifacts" / "eval" / "lm_eval_results.json").is_file()
+    # Eval and register outputs on disk, and the chart among the eval run's artifacts.
+    for name in ("metrics.json", "report.json", "lm_eval_results.json", "dimensions.png"):
+        assert (tmp_path / "artifacts" / "eval" / name).is_file()
+    artifacts = {a.path for a in client.list_artifacts(by_name["eval"].info.run_id, "eval")}
+    assert "eval/dimensions.png" in artifacts
     assert (tmp_path / "artifacts" / "register" / "registered.json").is_file()
 
     # Prefect: the pipeline flow run completed with its four stage tasks.

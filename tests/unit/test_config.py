@@ -31,8 +31,9 @@ def test_every_field_is_documented() -> None:
 
 
 def test_override_sets_typed_values() -> None:
-    cfg = load_config("tiny.yaml", ["train.lr=3e-4", "parallel.dp_shard=2", "eval.tasks=[a, b]"])
-    assert cfg.train.lr == 3e-4 and cfg.parallel.dp == 2 and cfg.eval.tasks == ["a", "b"]
+    cfg = load_config("tiny.yaml", ["train.lr=3e-4", "parallel.dp_shard=2",
+                                    "eval.during_training={every_steps: 100, tasks: [a, b]}"])
+    assert cfg.train.lr == 3e-4 and cfg.parallel.dp == 2 and cfg.eval.during_training.tasks == ["a", "b"]
 
 
 def test_unknown_key_names_the_key_and_the_allowed_ones() -> None:
@@ -88,7 +89,7 @@ def test_yaml_file_with_bad_value(tmp_path: Path) -> None:
 
 def test_section_hash_changes_only_with_its_section() -> None:
     base = load_config("tiny.yaml")
-    other = load_config("tiny.yaml", ["eval.limit=5"])
+    other = load_config("tiny.yaml", ["eval.batch_size=5"])
     assert base.section_hash("data", "model") == other.section_hash("data", "model")
     assert base.section_hash("eval") != other.section_hash("eval")
 
@@ -106,3 +107,13 @@ def test_inherit_loop_is_reported(tmp_path: Path) -> None:
     (tmp_path / "b.yaml").write_text("inherit: a.yaml\n")
     with pytest.raises(ConfigError, match="loops back to itself"):
         load_config(tmp_path / "a.yaml")
+
+
+def test_nested_settings_are_validated_and_flattened() -> None:
+    cfg = load_config("tiny.yaml", ["eval.dimensions={math: {limit: 5}, code: {limit: 2, num_fewshot: 1}}"])
+    assert list(cfg.eval.dimensions) == ["math", "code"]
+    assert cfg.flat()["eval.dimensions.code.num_fewshot"] == "1"
+    with pytest.raises(ConfigError, match="eval.dimensions.math.limt: unknown key; allowed here: tasks"):
+        load_config("tiny.yaml", ["eval.dimensions={math: {limt: 5}}"])
+    with pytest.raises(ConfigError, match="eval.dimensions.maths"):
+        load_config("tiny.yaml", ["eval.dimensions={maths: {limit: 5}}"])
