@@ -6,7 +6,11 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import json
+import logging
+import os
 import statistics
+import subprocess
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,10 +18,12 @@ from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
 
-from forgeline.configs.schema import CallbackSpec, TrainConfig
-from forgeline.model.checkpoint import CheckpointManager
+from forgeline.configs.schema import CallbackSpec, InTrainingEvalConfig, TrainConfig
+from forgeline.model.checkpoint import MANIFEST_NAME, CheckpointManager, step_dir_name
 from forgeline.model.metrics import MetricsLogger
 from forgeline.model.trainer import Callback, Trainer
+
+log = logging.getLogger(__name__)
 
 UNSTABLE_REPORT = "unstable.json"
 
@@ -163,6 +169,56 @@ class WatchdogCallback(Callback):
 
     def on_train_end(self, trainer: Trainer) -> None:
         faulthandler.cancel_dump_traceback_later()
+
+
+@dataclass
+class InTrainingEvalCallback(Callback):
+    """Every `every_steps`, once that step's checkpoint is committed, global rank 0 starts
+    `python -m forgeline.eval.periodic` on it in the background; it logs `eval/<task>/<metric>`
+    into the training run at that step. One evaluation runs at a time (later steps queue); the
+    end of training waits for them."""
+
+    cfg: InTrainingEvalConfig
+    checkpoint_root: Path
+    data_dir: Path
+    run_id: str
+    batch_size: int
+    _queue: list[int] = field(default_factory=list)
+    _running: subprocess.Popen | None = None
+
+    def post_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        if trainer.state.step % self.cfg.every_steps == 0 and trainer.state.step not in self._queue:
+            self._queue.append(trainer.state.step)
+        self._start_next()
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        while self._queue or self._running is not None:
+            if self._running is not None:
+                self._running.wait()
+            self._start_next()
+
+    def _start_next(self) -> None:
+        if self._running is not None:
+            if self._running.poll() is None:
+                return
+            if self._running.returncode:
+                log.warning("in-training evaluation exited with code %d", self._running.returncode)
+            self._running = None
+        committed = [s for s in self._queue
+                     if (self.checkpoint_root / step_dir_name(s) / MANIFEST_NAME).exists()]
+        if not committed:
+            return
+        step = committed[0]
+        self._queue.remove(step)
+        cmd = [sys.executable, "-m", "forgeline.eval.periodic",
+               "--checkpoint", str(self.checkpoint_root / step_dir_name(step)),
+               "--data-dir", str(self.data_dir),
+               "--tasks", *self.cfg.tasks, "--run-id", self.run_id, "--step", str(step),
+               "--batch-size", str(self.batch_size)]
+        if self.cfg.limit is not None:
+            cmd += ["--limit", str(self.cfg.limit)]
+        # One thread: the ranks keep the cores; the evaluation is not in a hurry.
+        self._running = subprocess.Popen(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"})
 
 
 def load_callback(spec: CallbackSpec) -> Callback:

@@ -26,6 +26,7 @@ from forgeline.model.amp import DynamicLossScaler
 from forgeline.model.callbacks import (
     UNSTABLE_REPORT,
     CheckpointCallback,
+    InTrainingEvalCallback,
     MetricsCallback,
     StabilityCallback,
     TrainingUnstable,
@@ -153,6 +154,9 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
     ]
     if cfg.train.hang_timeout_s:
         callbacks.insert(0, WatchdogCallback(cfg.train.hang_timeout_s))
+    if cfg.eval.during_training.every_steps and rank == 0 and run_id:
+        callbacks.append(InTrainingEvalCallback(cfg.eval.during_training, out_dir / "checkpoints", data_dir,
+                                                run_id, cfg.eval.batch_size))
     Trainer(total_steps=cfg.train.steps, state=trainer_state, train_step=train_step, device=device,
             tokens_per_step=tokens_per_step, callbacks=callbacks).fit()
 

@@ -87,3 +87,14 @@ def test_fsdp_x_tp_layout_trains_and_its_checkpoint_loads_in_one_process(
     model = load_from_checkpoint(result.checkpoint)  # resharded onto one plain module
     logits = model(torch.zeros(1, 8, dtype=torch.long))
     assert torch.isfinite(logits).all()
+
+
+def test_in_training_evaluation_logs_scores_at_its_steps(data_root: Path, tmp_path: Path) -> None:
+    cfg = config(data_root, tmp_path, "train.peak_tflops=1",
+                 "eval.during_training={every_steps: 10, tasks: [forgeline_heldout], limit: 3}")
+    run_train_stage(cfg)
+    client = MlflowClient(resolve_tracking_uri(cfg))
+    [run] = client.search_runs([client.get_experiment_by_name("forgeline-debug").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "eval/forgeline_heldout/bits_per_byte")
+    assert sorted(m.step for m in history) == [10, 20]
+    assert all(0 < m.value < 16 for m in history)
