@@ -78,14 +78,14 @@ def read_raw(config_path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:
-    """Set `section.key=value` in the raw mapping; the value is parsed as YAML."""
+    """Set `section.key[.subkey...]=value` in the raw mapping; the value is parsed as YAML."""
     dotted, sep, text = override.partition("=")
     keys = dotted.strip().split(".")
-    if not sep or len(keys) != 2 or not all(keys):
+    if not sep or len(keys) < 2 or not all(keys):
         raise ConfigError(
             f"override {override!r} must look like section.key=value (e.g. train.lr=3e-4)"
         )
-    section, key = keys
+    section, *path, key = keys
     if section not in Config.model_fields:
         raise ConfigError(
             f"override {override!r}: unknown section {section!r}; "
@@ -95,9 +95,11 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
         value = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"override {override!r}: value is not valid YAML: {err}") from err
-    target = raw.setdefault(section, {})
-    if not isinstance(target, dict):
-        raise ConfigError(f"section {section!r} must be a mapping, not {type(target).__name__}")
+    target = raw
+    for name in (section, *path):
+        target = target.setdefault(name, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"{name!r} in {dotted!r} must be a mapping, not {type(target).__name__}")
     target[key] = value
 
 

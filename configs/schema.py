@@ -610,8 +610,10 @@ class Config(Section):
 
     def section_hash(self, *sections: str) -> str:
         """Stable sha256 of what the named sections (all when none are named) compute; where
-        outputs go (`out_dir`) is not part of it."""
-        dump = self.model_dump(mode="json", exclude={name: {"out_dir"} for name in type(self).model_fields})
+        outputs go (`out_dir`) and how many processes compute them (`num_workers`) are not part
+        of it."""
+        dump = self.model_dump(mode="json", exclude={name: {"out_dir", "num_workers"}
+                                                     for name in type(self).model_fields})
         picked = {name: dump[name] for name in (sections or dump)}
         return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()
 

@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import tarfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
@@ -27,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import webdataset as wds
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -119,7 +119,8 @@ def build_dataset(cfg: Config) -> DataResult:
         hf_tokenizer = save_tokenizer(tokenizer, dcfg.special_tokens, tmp / "tokenizer")
         splits = {split: {"documents": len(docs), "tokens": packed[split].tokens,
                           "samples": len(packed[split].samples),
-                          "shards": write_shards(packed[split], tmp, split, dcfg.samples_per_shard)}
+                          "shards": write_shards(packed[split], tmp, split, dcfg.samples_per_shard,
+                                                    num_workers)}
                   for split, docs in (("train", train_docs), ("val", val_docs))}
         write_jsonl(tmp / "val_docs.jsonl", val_docs)
         manifest = {
@@ -389,21 +390,34 @@ def npy_bytes(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def write_shards(packed: Packed, directory: Path, split: str, per_shard: int) -> list[dict]:
-    """Write deterministic tar shards (fixed mtime and owner): same samples, same bytes."""
-    shards = []
-    samples = packed.samples
-    for number, start in enumerate(range(0, len(samples), per_shard)):
-        name = f"{split}-{number:06d}.tar"
-        with open(directory / name, "wb") as stream:
-            writer = wds.TarWriter(stream, user="forgeline", group="forgeline", mtime=0.0)
-            for index in range(start, min(start + per_shard, len(samples))):
-                writer.write({"__key__": f"{split}-{index:09d}", SAMPLE_FIELD: npy_bytes(samples[index]),
-                              STARTS_FIELD: npy_bytes(packed.starts[index])})
-            writer.close()
-        count = min(per_shard, len(samples) - start)
-        shards.append({"path": name, "samples": count, "sha256": sha256_file(directory / name)})
-    return shards
+def write_shards(packed: Packed, directory: Path, split: str, per_shard: int, num_workers: int) -> list[dict]:
+    """Write the shards of a split, in parallel; returns their manifest entries in order."""
+    bounds = [(start, min(start + per_shard, len(packed.samples)))
+              for start in range(0, len(packed.samples), per_shard)]
+    ranges = chunk_ranges([1] * len(bounds), num_workers)
+    with worker_pool(num_workers, packed=packed, directory=directory, split=split, bounds=bounds) as pool:
+        return [entry for part in pool.map(_write_shard_range, ranges) for entry in part]
+
+
+def _write_shard_range(numbers: tuple[int, int]) -> list[dict]:
+    return [write_shard(_WORK["packed"], _WORK["directory"], _WORK["split"], number, *_WORK["bounds"][number])
+            for number in range(*numbers)]
+
+
+def write_shard(packed: Packed, directory: Path, split: str, number: int, start: int, stop: int) -> dict:
+    """One deterministic tar (fixed mtime, owner and mode): same samples, same bytes. Plain
+    ustar headers: pax headers cost more to build than the samples do, and webdataset reads
+    either."""
+    name = f"{split}-{number:06d}.tar"
+    with tarfile.open(directory / name, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for index in range(start, stop):
+            key = f"{split}-{index:09d}"
+            for field, array in ((SAMPLE_FIELD, packed.samples[index]), (STARTS_FIELD, packed.starts[index])):
+                payload = npy_bytes(array)
+                info = tarfile.TarInfo(f"{key}.{field}")
+                info.size, info.mode, info.uname, info.gname = len(payload), 0o444, "forgeline", "forgeline"
+                tar.addfile(info, io.BytesIO(payload))
+    return {"path": name, "samples": stop - start, "sha256": sha256_file(directory / name)}
 
 
 def write_jsonl(path: Path, docs: list[Document]) -> None:

@@ -7,16 +7,21 @@ from transformers import PreTrainedTokenizerFast
 
 from forgeline.model.data import MANIFEST_NAME, read_manifest, read_shard, split_shards
 from forgeline.model.fileio import sha256_file
-from forgeline.tasks.data import EOS_TOKEN, build_dataset, read_shakespeare
+from forgeline.tasks.data import build_dataset
+from forgeline.tasks.sources import read_shakespeare
 from tests.conftest import debug_config
+
+
+def scenes(count: int) -> list[str]:
+    return [doc.data.decode() for doc in read_shakespeare("shakespeare")][:count]
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """80 real scenes as separate text files: a small `files` corpus."""
     root = tmp_path_factory.mktemp("corpus")
-    for doc in read_shakespeare()[:80]:
-        (root / f"{doc.name.replace('#', '-')}.txt").write_text(doc.text)
+    for number, text in enumerate(scenes(80)):
+        (root / f"scene-{number:03d}.txt").write_text(text)
     return root
 
 
@@ -26,9 +31,9 @@ def files_config(root: Path, corpus: Path, *overrides: str):
 
 
 def test_shakespeare_is_split_into_scenes() -> None:
-    docs = read_shakespeare()
+    docs = list(read_shakespeare("shakespeare"))
     assert len(docs) > 700
-    assert all(doc.text.startswith("### ") for doc in docs)
+    assert all(doc.data.startswith(b"### ") for doc in docs)
     assert {doc.name.split("#")[0] for doc in docs} >= {"hamlet", "macbeth", "the-tempest"}
 
 
@@ -44,7 +49,7 @@ def test_manifest_describes_verified_shards(data_root: Path) -> None:
             assert rows.shape == (shard.samples, manifest["seq_len"] + 1)
             assert rows.max() < manifest["vocab_size"]
     assert manifest["tokenizer"]["sha256"] == sha256_file(data_dir / "tokenizer" / "tokenizer.json")
-    assert manifest["sources"]["shakespeare"]["documents"] == (
+    assert manifest["sources"]["shakespeare"]["kept"] == (
         manifest["splits"]["train"]["documents"] + manifest["splits"]["val"]["documents"])
 
 
@@ -52,7 +57,7 @@ def test_tokenizer_loads_in_transformers_and_round_trips(data_root: Path) -> Non
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(data_root / "data" / "tokenizer"))
     text = "To be, or not to be: that is the question.\n  Whether 'tis nobler"
     assert tokenizer.decode(tokenizer.encode(text)) == text
-    assert tokenizer.eos_token == EOS_TOKEN
+    assert tokenizer.eos_token == "<|endoftext|>"
     assert len(tokenizer) == read_manifest(data_root / "data")["vocab_size"] == 512
 
 
@@ -98,15 +103,15 @@ def test_missing_files_fail_before_anything_is_written(tmp_path: Path) -> None:
     assert not (tmp_path / "data").exists()
 
 
-def test_bad_input_keeps_the_previous_output(tmp_path: Path, corpus: Path) -> None:
+def test_unreadable_input_keeps_the_previous_output(tmp_path: Path, corpus: Path) -> None:
     build_dataset(files_config(tmp_path, corpus))
     before = sha256_file(tmp_path / "data" / MANIFEST_NAME)
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "ok.txt").write_text("fine text " * 100)
-    (bad / "binary.txt").write_bytes(b"\xff\xfe\x00garbage" * 10)
-    with pytest.raises(ValueError, match=r"binary.txt is not valid UTF-8"):
-        build_dataset(files_config(tmp_path, bad))
+    (bad / "broken.gz").write_bytes(b"\x1f\x8b\x08\x00garbage")
+    with pytest.raises(ValueError, match=r"broken.gz cannot be read"):
+        build_dataset(files_config(tmp_path, bad, f"data.sources=[{{kind: files, path: '{bad}/*'}}]"))
     assert sha256_file(tmp_path / "data" / MANIFEST_NAME) == before
 
 
@@ -114,7 +119,7 @@ def test_corpus_too_small_for_one_sample_is_explained(tmp_path: Path) -> None:
     tiny = tmp_path / "tiny"
     tiny.mkdir()
     for i in range(40):
-        (tiny / f"{i}.txt").write_text(f"doc {i}")
+        (tiny / f"{i}.txt").write_text(f"document number {i}")
     with pytest.raises(ValueError, match="fewer than one sample"):
         build_dataset(files_config(tmp_path, tiny, "data.val_fraction=0.5"))
 

@@ -76,3 +76,21 @@ def test_too_little_data_for_one_batch(data_root: Path) -> None:
     total = sum(s.samples for s in shards)
     with pytest.raises(DataError, match="cannot fill one global batch"):
         ShardedSampleLoader(shards, total, 0, 2, seed=0)
+
+
+def test_resume_across_an_epoch_with_another_dp_degree_has_no_gap_or_duplicate(data_root: Path) -> None:
+    shards = shards_of(data_root)
+    per_epoch = ShardedSampleLoader(shards, 12, 0, 1, seed=3).samples_per_epoch // 12
+    steps = per_epoch + 3  # crosses into the second epoch
+    uninterrupted = global_stream(shards, dp=2, local_batch=6, steps=steps, seed=3)
+    for saved_at in (1, per_epoch - 1, per_epoch + 1):
+        first = [ShardedSampleLoader(shards, 6, rank, 2, seed=3) for rank in range(2)]
+        seen = [tuple(r.tolist()) for _ in range(saved_at) for loader in first for r in loader.next_batch()]
+        state = first[0].state_dict()
+        assert state == first[1].state_dict()  # one global position, the same on every rank
+        resumed = [ShardedSampleLoader(shards, 4, rank, 3, seed=3) for rank in range(3)]
+        for loader in resumed:
+            loader.load_state_dict(state)
+        rest = [tuple(r.tolist()) for _ in range(steps - saved_at) for loader in resumed
+                for r in loader.next_batch()]
+        assert seen + rest == uninterrupted
