@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CONFIG ?=
 SET ?=
 
-.PHONY: install run test test-fast lint repro clean
+.PHONY: install run test test-fast lint repro corpus clean
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,18 @@ lint: install
 
 repro: install
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/dvc repro
+
+# The packaged text of configs/corpus-docs.yaml (~55 MB): Linux kernel and Python documentation
+# from Debian packages, unpacked (not installed) under corpus/. Debian may ship newer package
+# versions later; the data manifest records a hash of every input file.
+CORPUS_DEBS := linux-doc-6.1 python3.11-doc
+corpus: corpus/.unpacked
+
+corpus/.unpacked:
+	mkdir -p corpus/debs
+	cd corpus/debs && apt-get download $(CORPUS_DEBS)
+	for deb in corpus/debs/*.deb; do dpkg -x $$deb corpus/root; done
+	touch $@
 
 clean:
 	rm -rf artifacts mlflow.db mlartifacts

@@ -4,6 +4,7 @@ register only when the scores moved)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -89,3 +90,20 @@ def test_dvc_repro_runs_the_pipeline_and_reruns_only_what_changed(tmp_path: Path
     third = run([DVC, "repro"], repo)
     assert stages_run(third.stdout) == ["eval", "register"]
     assert "up to date" in run([DVC, "status"], repo).stdout
+
+
+@pytest.mark.slow
+def test_dvc_repro_of_the_data_stage_gives_byte_identical_shards(tmp_path: Path) -> None:
+    repo = fresh_repo(tmp_path)
+    run([DVC, "repro", "data"], repo)
+
+    def digests() -> dict[str, str]:
+        out = repo / "artifacts" / "data"
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(out.rglob("*")) if p.is_file()}
+
+    first = digests()
+    shutil.rmtree(repo / "artifacts" / "data")
+    run([DVC, "repro", "--force", "data"], repo)
+    assert digests() == first
+    assert any(name.startswith("train-") for name in first)
