@@ -134,7 +134,7 @@ class CleaningConfig(Section):
 
     max_repeated_line_fraction: float = Field(0.3, gt=0, le=1)
     """Drop a document when lines that occur more than once in it hold more than this share of
-    its non-blank characters (a repetition filter; 1 disables it)."""
+    the characters of its lines with a letter or digit (a repetition filter; 1 disables it)."""
 
     exact_dedup: bool = True
     """Drop documents whose text equals an earlier one's after normalization (case, whitespace)."""

@@ -89,8 +89,9 @@ def clean_document(data: bytes | None, cfg: CleaningConfig, with_signature: bool
 
 
 def repeated_line_fraction(lines: list[str]) -> float:
-    """Share of non-blank characters in lines that occur more than once."""
-    stripped = [line.strip() for line in lines if line.strip()]
+    """Share of the characters of worded lines in lines that occur more than once. Lines without
+    a letter or digit (reST underlines, closing braces) are structure, not repetition."""
+    stripped = [line.strip() for line in lines if WORD.search(line)]
     total = sum(map(len, stripped))
     if not total:
         return 0.0

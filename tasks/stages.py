@@ -13,7 +13,7 @@ from forgeline.configs import Config
 from forgeline.model.data import MANIFEST_NAME
 from forgeline.model.parallel import resolve_precision
 from forgeline.tasks import STAGES
-from forgeline.tasks.data import DataResult, build_dataset
+from forgeline.tasks.data import DataResult, build_dataset, preflight_data
 from forgeline.tasks.evaluate import METRICS_NAME, EvalResult, evaluate_model, plan_tasks, read_eval_metrics
 from forgeline.tasks.register import RegisterResult, register_model
 from forgeline.tasks.tracking import RunTracker, dvc_hash, resolve_tracking_uri, tracked_run
@@ -38,8 +38,11 @@ def stage_output_marker(stage: str, cfg: Config) -> Path:
 
 def preflight(cfg: Config, stages: tuple[str, ...]) -> None:
     """What can be checked before any work when `stages` run in order: the first one's
-    upstream outputs exist, the training precision suits this machine, the eval tasks exist."""
+    upstream outputs exist, every data source and a tokenizer to load are readable, the
+    training precision suits this machine, the eval tasks exist."""
     check_stage_inputs(stages[0], cfg)
+    if "data" in stages:
+        preflight_data(cfg.data)
     if "train" in stages:
         resolve_precision(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
     if "eval" in stages:

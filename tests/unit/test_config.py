@@ -67,6 +67,9 @@ def test_malformed_override() -> None:
     (["model.max_seq_len=64"], "model.max_seq_len=64 must be >= data.seq_len=128"),
     (["train.warmup_steps=300"], "warmup_steps=300 must be smaller than steps=300"),
     (["data.sources=[{kind: files}]"], "kind 'files' needs a `path` glob"),
+    (["data.sources=[{kind: hf}]"], "kind 'hf' needs exactly one of `dataset`"),
+    (["data.sources=[{kind: stdlib}, {kind: stdlib, weight: 2}]"], "names ['stdlib'] more than once"),
+    (["data.cleaning.boilerplate_patterns=['(unclosed']"], "'(unclosed' is not a valid regex"),
 ])
 def test_inconsistent_values_fail_with_the_numbers(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -75,7 +78,7 @@ def test_inconsistent_values_fail_with_the_numbers(overrides: list[str], message
 
 
 def test_missing_config_file_lists_the_shipped_ones(tmp_path: Path) -> None:
-    shipped = "debug.yaml, tiny-single.yaml, tiny.yaml"
+    shipped = "corpus-docs.yaml, debug.yaml, tiny-single.yaml, tiny.yaml"
     with pytest.raises(ConfigError, match=f"not found; shipped configs: {shipped}"):
         load_config(tmp_path / "nope.yaml")
 
@@ -117,3 +120,8 @@ def test_nested_settings_are_validated_and_flattened() -> None:
         load_config("tiny.yaml", ["eval.dimensions={math: {limt: 5}}"])
     with pytest.raises(ConfigError, match="eval.dimensions.maths"):
         load_config("tiny.yaml", ["eval.dimensions={maths: {limit: 5}}"])
+
+
+def test_nested_keys_can_be_overridden() -> None:
+    cfg = load_config("tiny.yaml", ["data.cleaning.scrub_pii=true", "data.cleaning.min_chars=5"])
+    assert cfg.data.cleaning.scrub_pii and cfg.data.cleaning.min_chars == 5

@@ -189,3 +189,12 @@ def test_existing_tokenizer_is_loaded_instead_of_trained(tmp_path: Path) -> None
         cfg, _ = build(tmp_path / path.name, [files_source(docs)], f"data.tokenizer_path={path}",
                        "data.vocab_size=1000")
         assert read_manifest(cfg.data.out_dir)["tokenizer"] == read_manifest(first.data.out_dir)["tokenizer"]
+
+
+def test_pipeline_preflight_checks_the_sources(tmp_path: Path) -> None:
+    from forgeline.tasks import STAGES
+    from forgeline.tasks.stages import preflight
+
+    cfg = debug_config(tmp_path, f"data.sources=[{{kind: files, path: '{tmp_path}/missing/*.txt'}}]")
+    with pytest.raises(FileNotFoundError, match="missing/\\*.txt"):
+        preflight(cfg, STAGES)
