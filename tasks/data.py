@@ -93,7 +93,8 @@ def build_dataset(cfg: Config) -> DataResult:
         stats[doc.source]["input"]["bytes"] += doc.size
     documents = clean_corpus(raw, dcfg.cleaning, stats, num_workers)
     del raw
-    log.info("data: read and cleaned %d documents in %.1f s", len(documents), time.perf_counter() - started)
+    log.info("data: %d documents read, cleaned and deduplicated at %.1f s", len(documents),
+             time.perf_counter() - started)
     train_docs, val_docs = split_documents(documents, dcfg.val_fraction)
     if not val_docs or not train_docs:
         raise ValueError(
@@ -114,7 +115,7 @@ def build_dataset(cfg: Config) -> DataResult:
         for doc, length in zip(docs, lengths, strict=True):
             stats[doc.source][f"{split}_documents"] += 1
             stats[doc.source][f"{split}_tokens"] += int(length) + 1  # + EOS
-    log.info("data: tokenized and packed in %.1f s", time.perf_counter() - started)
+    log.info("data: tokenizer ready, documents tokenized and packed at %.1f s", time.perf_counter() - started)
     with staging_dir(out_dir) as tmp:
         hf_tokenizer = save_tokenizer(tokenizer, dcfg.special_tokens, tmp / "tokenizer")
         splits = {split: {"documents": len(docs), "tokens": packed[split].tokens,
