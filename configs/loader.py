@@ -149,18 +149,28 @@ def _first_model(annotation: Any) -> type[BaseModel] | None:
 
 
 def config_docs() -> str:
-    """Every section and field with its type, default and docstring."""
+    """Every section and field with its type, default and docstring; the fields of nested
+    models (data.cleaning, each entry of data.sources, ...) indented under theirs."""
     lines = []
     for section, field in Config.model_fields.items():
         model = _first_model(field.annotation)
         lines.append(f"{section}:  # {' '.join((model.__doc__ or '').split())}")
-        for name, sub in model.model_fields.items():
-            default = sub.get_default(call_default_factory=True)
-            if isinstance(default, BaseModel):
-                default = default.model_dump(mode="json")
-            elif isinstance(default, list):
-                default = [d.model_dump(mode="json") if isinstance(d, BaseModel) else d
-                           for d in default]
-            doc = " ".join((sub.description or "").split())
-            lines.append(f"  {name}: {default!r}\n      {doc}")
+        lines += _field_docs(model, indent="  ")
     return "\n".join(lines)
+
+
+def _field_docs(model: type[BaseModel], indent: str) -> list[str]:
+    lines = []
+    for name, sub in model.model_fields.items():
+        default = "(required)" if sub.is_required() else sub.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            default = default.model_dump(mode="json")
+        elif isinstance(default, list):
+            default = [d.model_dump(mode="json") if isinstance(d, BaseModel) else d
+                       for d in default]
+        doc = " ".join((sub.description or "").split())
+        lines.append(f"{indent}{name}: {default!r}\n{indent}    {doc}")
+        nested = _first_model(sub.annotation)
+        if nested is not None and nested is not model:
+            lines += _field_docs(nested, indent + "    ")
+    return lines

@@ -4,7 +4,7 @@ import pytest
 
 from forgeline.configs import Config, ConfigError, load_config, shipped_configs
 from forgeline.configs.loader import config_docs
-from forgeline.configs.schema import Section
+from forgeline.configs.schema import CleaningConfig, Section, SourceConfig
 
 
 @pytest.mark.parametrize("path", shipped_configs(), ids=lambda p: p.name)
@@ -20,6 +20,7 @@ def test_default_is_the_embedded_tiny_config() -> None:
 
 def test_every_field_is_documented() -> None:
     sections = [Config] + [Config.model_fields[name].annotation for name in Config.model_fields]
+    sections += [SourceConfig, CleaningConfig]
     for section in sections:
         assert issubclass(section, Section)
         for name, field in section.model_fields.items():
@@ -28,6 +29,7 @@ def test_every_field_is_documented() -> None:
             assert field.description, f"{section.__name__}.{name} has no docstring"
     docs = config_docs()
     assert "global_batch_size" in docs and "Sequences per optimizer step" in docs
+    assert "near_dedup_threshold: 0.85" in docs and "kind: '(required)'" in docs
 
 
 def test_override_sets_typed_values() -> None:
