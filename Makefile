@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CONFIG ?=
 SET ?=
 
-.PHONY: install run test test-fast lint repro corpus clean
+.PHONY: install run test test-fast test-slow lint repro corpus clean
 
 install: $(VENV)/.installed
 
@@ -27,7 +27,11 @@ run: install
 	$(BIN)/forgeline run $(if $(CONFIG),--config $(CONFIG)) $(foreach s,$(SET),--set $(s))
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# Tests that take more than ~30 s each (e.g. `dvc repro` of the data stage twice).
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not integration and not e2e"
