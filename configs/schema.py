@@ -60,7 +60,11 @@ class SourceConfig(Section):
     with `save_to_disk`."""
 
     dataset: str | None = None
-    """`hf` only: dataset name for `datasets.load_dataset` (needs the hub, unlike `path`)."""
+    """`hf` only: dataset name for `datasets.load_dataset`: a hub name (needs the hub, unlike
+    `path`) or a packaged builder such as `json` or `parquet` with `data_files`."""
+
+    data_files: list[str] = Field(default_factory=list)
+    """`hf` with `dataset` only: the files a packaged builder (`json`, `parquet`, `csv`) reads."""
 
     split: str = "train"
     """`hf` only: the split to read."""
@@ -87,6 +91,8 @@ class SourceConfig(Section):
                              "or `path` (a save_to_disk directory for load_from_disk)")
         if self.kind != "hf" and self.dataset:
             raise ValueError(f"`dataset` is for kind 'hf', not {self.kind!r}")
+        if self.data_files and not self.dataset:
+            raise ValueError("`data_files` go with `dataset` (a builder such as json or parquet), kind 'hf'")
         return self
 
     @property

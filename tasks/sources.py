@@ -167,7 +167,8 @@ def read_hf(source: SourceConfig) -> Iterator[RawDocument]:
                 raise SourceError(f"{source.path} has splits {sorted(loaded)}, not {source.split!r}")
             loaded = loaded[source.split]
     else:
-        loaded = datasets.load_dataset(source.dataset, split=source.split)
+        loaded = datasets.load_dataset(source.dataset, split=source.split,
+                                       data_files=source.data_files or None)
     if source.text_field not in loaded.column_names:
         raise SourceError(f"dataset {source.label} has no column {source.text_field!r} "
                           f"(columns: {loaded.column_names}); set the source's text_field")

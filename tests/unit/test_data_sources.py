@@ -57,11 +57,15 @@ def test_every_source_format_is_read_and_attributed(tmp_path: Path) -> None:
     datasets.Dataset.from_dict({"text": SCENES[30:36]}).save_to_disk(str(tmp_path / "hf"))
     sources = [files_source(plain), files_source(gz), files_source(jsonl, text_field="body"),
                files_source(parquet, text_field="content", license="CC-BY-4.0, from a test"),
-               {"kind": "hf", "path": str(tmp_path / "hf"), "name": "hf-local"}]
+               {"kind": "hf", "path": str(tmp_path / "hf"), "name": "hf-local"},
+               # load_dataset, as for a hub name, here with a packaged builder on local files
+               {"kind": "hf", "dataset": "json", "data_files": [str(jsonl / "docs.jsonl")],
+                "text_field": "body", "name": "hf-builder"}]
     cfg, _ = build(tmp_path, sources)
     manifest = read_manifest(cfg.data.out_dir)
     kept = {name: entry["kept"] for name, entry in manifest["sources"].items()}
-    assert kept == {"plain": 11, "gz": 5, "jsonl": 8, "parquet": 6, "hf-local": 6}
+    assert kept == {"plain": 11, "gz": 5, "jsonl": 8, "parquet": 6, "hf-local": 6, "hf-builder": 0}
+    assert manifest["sources"]["hf-builder"]["removed"] == {"exact_duplicate": 8}  # the jsonl source's
     assert manifest["sources"]["parquet"]["license"] == "CC-BY-4.0, from a test"
     assert manifest["sources"]["plain"]["license"] == "unspecified"
     for entry in manifest["sources"].values():
