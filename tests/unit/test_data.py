@@ -1,4 +1,9 @@
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +14,7 @@ from forgeline.model.data import MANIFEST_NAME, read_manifest, read_shard, split
 from forgeline.model.fileio import sha256_file
 from forgeline.tasks.data import build_dataset
 from forgeline.tasks.sources import read_shakespeare
-from tests.conftest import debug_config
+from tests.conftest import REPO_ROOT, debug_config
 
 
 def scenes(count: int) -> list[str]:
@@ -128,3 +133,25 @@ def test_samples_are_stored_compactly(data_root: Path) -> None:
     manifest = read_manifest(data_root / "data")
     rows = read_shard(split_shards(data_root / "data", manifest, "train")[0])
     assert rows.dtype == np.uint16
+
+
+def test_killed_while_writing_shards_leaves_the_previous_output_intact(tmp_path: Path, corpus: Path) -> None:
+    build_dataset(files_config(tmp_path, corpus))
+    data_dir = tmp_path / "data"
+    before = {p.name: sha256_file(p) for p in data_dir.rglob("*") if p.is_file()}
+    # One sample per shard: a write long enough to be caught in.
+    script = ("import forgeline.tasks; from forgeline.tasks.data import build_dataset; "
+              "from tests.unit.test_data import files_config; from pathlib import Path; "
+              f"build_dataset(files_config(Path({str(tmp_path)!r}), Path({str(corpus)!r}), "
+              "'data.samples_per_shard=1'))")
+    writer = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".data.tmp-*/train-*.tar")):
+            assert writer.poll() is None and time.monotonic() < deadline, "the stage ended before writing"
+            time.sleep(0.01)
+    finally:
+        os.killpg(writer.pid, signal.SIGKILL)
+        writer.wait()
+    assert {p.name: sha256_file(p) for p in data_dir.rglob("*") if p.is_file()} == before
+    assert build_dataset(files_config(tmp_path, corpus)).reused
