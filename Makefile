@@ -42,9 +42,9 @@ lint: install
 repro: install
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/dvc repro
 
-# The packaged text of configs/corpus-docs.yaml (~55 MB): Linux kernel and Python documentation
-# from Debian packages, unpacked (not installed) under corpus/. Debian may ship newer package
-# versions later; the data manifest records a hash of every input file.
+# The packaged text of configs/corpus-docs.yaml (48 MB; the standard library adds 12 MB): Linux
+# kernel and Python documentation from Debian packages, unpacked (not installed) under corpus/.
+# Debian may ship newer package versions later; the data manifest records a hash of every input.
 CORPUS_DEBS := linux-doc-6.1 python3.11-doc
 corpus: corpus/.unpacked
 
