@@ -3,8 +3,9 @@ sequences -> webdataset shards.
 
 Output (`data.out_dir`): `tokenizer/` (loads with transformers.PreTrainedTokenizerFast),
 `train-NNNNNN.tar` and `val-NNNNNN.tar` shards, `val_docs.jsonl` (held-out documents for
-evaluation) and `manifest.json` (per-source provenance and counts of what each filter removed,
-sha256 per shard, tokenizer, config and input hashes). Every source is checked and everything
+evaluation), `manifest.json` (per-source provenance and counts of what each filter removed,
+sha256 per shard, tokenizer and config hashes) and `build.json` (a hash of the config, every
+input document and this stage's code). Every source is checked and everything
 computed before the first byte is written; the output is written to a temporary directory and
 swapped in whole, so a failed run never leaves a half-written shard under its final name. The
 same inputs, config and code give byte-identical output, and a rerun on them rewrites nothing.
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 # pickled copies; only index ranges travel to the workers.
 _WORK: dict = {}
 CHUNKS_PER_WORKER = 8  # enough to even out documents of very different sizes
+BUILD_NAME = "build.json"  # the build fingerprint of the output
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,6 @@ def build_dataset(cfg: Config) -> DataResult:
         write_jsonl(tmp / "val_docs.jsonl", val_docs)
         manifest = {
             "format": FORMAT_VERSION,
-            "build_sha256": build_key,
             "config_sha256": cfg.section_hash("data"),
             "seq_len": dcfg.seq_len,
             "vocab_size": len(hf_tokenizer),
@@ -139,6 +140,9 @@ def build_dataset(cfg: Config) -> DataResult:
             "heldout_docs": "val_docs.jsonl",
         }
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        # Beside the manifest, not in it: a change to this stage's code that leaves the data as
+        # it was must not change the manifest, which checkpoints are fingerprinted with.
+        (tmp / BUILD_NAME).write_text(json.dumps({"build_sha256": build_key}) + "\n")
         replace_dir(tmp, out_dir)
     log.info("data: %d documents -> %d train / %d val samples in %s (%.1f s)", len(documents),
              splits["train"]["samples"], splits["val"]["samples"], out_dir, time.perf_counter() - started)
@@ -175,12 +179,12 @@ def build_fingerprint(cfg: Config, raw: list[RawDocument]) -> str:
 def up_to_date_manifest(out_dir: Path, build_key: str) -> dict | None:
     """The existing output's manifest if it was built from exactly these inputs and every file it
     lists is intact."""
-    path = out_dir / MANIFEST_NAME
-    if not path.is_file():
+    path, build = out_dir / MANIFEST_NAME, out_dir / BUILD_NAME
+    if not (path.is_file() and build.is_file()):
+        return None
+    if json.loads(build.read_text())["build_sha256"] != build_key:
         return None
     manifest = json.loads(path.read_text())
-    if manifest.get("build_sha256") != build_key:
-        return None
     files = [(out_dir / "tokenizer" / "tokenizer.json", manifest["tokenizer"]["sha256"])]
     files += [(out_dir / shard["path"], shard["sha256"])
               for split in manifest["splits"].values() for shard in split["shards"]]

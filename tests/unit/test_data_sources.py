@@ -183,6 +183,10 @@ def test_output_does_not_depend_on_workers_and_reruns_rewrite_nothing(tmp_path: 
     _, again = build(tmp_path / "two", [files_source(docs)], "data.num_workers=2")
     assert again.reused
     assert stamps == {p: p.stat().st_mtime_ns for p in Path(two.data.out_dir).rglob("*")}
+    # Without its build record the output is rebuilt, into the same manifest.
+    (Path(two.data.out_dir) / "build.json").unlink()
+    _, rebuilt = build(tmp_path / "two", [files_source(docs)], "data.num_workers=2")
+    assert not rebuilt.reused and rebuilt.manifest_sha256 == again.manifest_sha256
 
 
 def test_existing_tokenizer_is_loaded_instead_of_trained(tmp_path: Path) -> None:
