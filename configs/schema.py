@@ -402,6 +402,12 @@ class EvalConfig(Section):
         default_factory=lambda: {name: DimensionConfig() for name in DIMENSIONS}, min_length=1)
     """Dimensions to evaluate and how; each gets a score, their mean is the overall score."""
 
+    task_source: Literal["packaged", "hub"] = "packaged"
+    """Where benchmark data comes from: "packaged" -- the suite of eval/tasks/ on data that ships
+    in installed packages, offline; "hub" -- lm-eval's standard tasks, with data from the Hugging
+    Face Hub, wherever a benchmark has one (needs HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0);
+    held-out text, safety and code tasks stay packaged."""
+
     batch_size: PositiveInt = 16
     """Requests scored or generated per forward pass."""
 

@@ -14,7 +14,14 @@ from forgeline.model.data import MANIFEST_NAME
 from forgeline.model.parallel import resolve_precision
 from forgeline.tasks import STAGES
 from forgeline.tasks.data import DataResult, build_dataset
-from forgeline.tasks.evaluate import METRICS_NAME, EvalResult, evaluate_model, plan_tasks, read_eval_metrics
+from forgeline.tasks.evaluate import (
+    METRICS_NAME,
+    EvalResult,
+    check_task_source,
+    evaluate_model,
+    plan_tasks,
+    read_eval_metrics,
+)
 from forgeline.tasks.register import RegisterResult, register_model
 from forgeline.tasks.tracking import RunTracker, dvc_hash, resolve_tracking_uri, tracked_run
 from forgeline.tasks.train import SUMMARY_NAME, TrainResult, read_train_summary, train_model
@@ -44,6 +51,7 @@ def preflight(cfg: Config, stages: tuple[str, ...]) -> None:
         resolve_precision(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
     if "eval" in stages:
         plan_tasks(cfg.eval)
+        check_task_source(cfg.eval)
 
 
 def check_stage_inputs(stage: str, cfg: Config) -> None:
