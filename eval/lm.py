@@ -44,11 +44,21 @@ def score_continuation(logits: torch.Tensor, target: torch.Tensor) -> tuple[floa
     return float(logprob.sum()), bool((logits.argmax(-1) == target).all())
 
 
+def usable_device(requested: str) -> str:
+    """lm-eval's command line asks for cuda:0 unless told otherwise; like its `hf` backend, fall
+    back to the CPU where there is no GPU."""
+    if torch.device(requested).type == "cuda" and not torch.cuda.is_available():
+        log.warning("device %s requested but CUDA is not available; running on the CPU", requested)
+        return "cpu"
+    return requested
+
+
 @register_model("forgeline")
 class ForgelineLM(TemplateLM):
     def __init__(self, tokenizer: str, checkpoint: str | None = None, bundle: str | None = None,
                  hf: str | None = None, batch_size: int | str = 16, max_length: int | None = None,
                  device: str = "cpu", **_ignored) -> None:
+        device = usable_device(device)
         sources = {"checkpoint": checkpoint, "bundle": bundle, "hf": hf}
         if sum(v is not None for v in sources.values()) != 1:
             raise ValueError("forgeline model_args need exactly one of checkpoint=..., bundle=... or hf=...")
