@@ -1,10 +1,12 @@
 """`forgeline`: run the pipeline, one stage, or inspect a config.
 
-    forgeline run [--config PATH] [--set section.key=value ...]
-    forgeline stage {data,train,eval,register} [--config PATH] [--set ...]
+    forgeline run [--config PATH] [--set section.key=value ...] [--force]
+    forgeline stage {data,train,eval,register} [--config PATH] [--set ...] [--upstream-run RUN_ID] [--force]
     forgeline config show [--config PATH] [--set ...] [--docs]
     forgeline plan --nodes N --accelerators-per-node K --memory-gib G [...] [--write-config OUT]
     forgeline checkpoints {list,verify,rollback,export} [...]
+    forgeline promote [--version V] [--force]   (move alias `champion` if the eval gate passes)
+    forgeline compare RUN_ID RUN_ID... [--diff-only]
     forgeline lm-eval ARGS...   (lm-eval's own command line, with the `forgeline` model class)
 """
 
@@ -30,6 +32,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                                          "--set train.steps=50 --set parallel.dp_shard=2")
 
 
+def add_force_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--force", action="store_true",
+                        help="run even a stage whose inputs (config section, upstream outputs, code) are "
+                             "unchanged and whose outputs verify; by default such a stage is skipped")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="forgeline",
@@ -43,12 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
                                        "forgeline-pipeline Prefect flow under one MLflow parent "
                                        "run; prints the run id and the registered model version.")
     add_config_arguments(run)
+    add_force_argument(run)
 
     stage = verbs.add_parser("stage", help="run one stage as its own Prefect flow",
                              description="Run one stage; it reads its inputs from the upstream "
                                          "stages' output directories named in the config.")
     stage.add_argument("name", choices=STAGES, help="the stage to run")
     add_config_arguments(stage)
+    add_force_argument(stage)
+    stage.add_argument("--upstream-run", metavar="RUN_ID",
+                       help="read the upstream stages' outputs recorded by this earlier MLflow run (a "
+                            "pipeline or stage run) instead of the config's output directories")
 
     config = verbs.add_parser("config", help="inspect and validate run configs",
                               description="Inspect and validate run configs.")
@@ -61,11 +74,32 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print every section and field with its default and meaning instead")
     add_plan_parser(verbs)
     add_checkpoints_parser(verbs)
+    add_registry_parsers(verbs)
     verbs.add_parser(
         "lm-eval", add_help=False,
         help="lm-evaluation-harness's command line with the `forgeline` model class registered "
              "(every argument is lm-eval's; `forgeline lm-eval --help` shows them)")
     return parser
+
+
+def add_registry_parsers(verbs: argparse._SubParsersAction) -> None:
+    promote = verbs.add_parser(
+        "promote", help="move alias `champion` to a model version if the promotion gate passes",
+        description="Apply the promotion gate (registry.promotion_margin, "
+                    "registry.max_dimension_regression) to a version of registry.model_name and move "
+                    "alias `champion` to it if it passes. The register stage does this for every new "
+                    "version; use this after changing the gate, or --force to roll back.")
+    add_config_arguments(promote)
+    promote.add_argument("--version", help="model version (default: the one aliased `candidate`)")
+    promote.add_argument("--force", action="store_true",
+                         help="move `champion` without the gate, e.g. back to an earlier version")
+    compare = verbs.add_parser(
+        "compare", help="params and metrics of MLflow runs side by side",
+        description="Print the params and latest metrics of MLflow runs side by side, as the MLflow "
+                    "UI's compare view shows them; `*` marks rows that differ.")
+    add_config_arguments(compare)
+    compare.add_argument("run_ids", nargs="+", metavar="RUN_ID")
+    compare.add_argument("--diff-only", action="store_true", help="only the rows that differ")
 
 
 def add_checkpoints_parser(verbs: argparse._SubParsersAction) -> None:
@@ -137,17 +171,23 @@ def main(argv: list[str] | None = None) -> int:
             return plan_layout(args)
         if args.verb == "checkpoints":
             return manage_checkpoints(args)
-        cfg_source = (args.config, args.overrides)
-        cfg = load_config(*cfg_source)  # fail on bad input before Prefect starts
-        from forgeline.tasks.stages import preflight
+        if args.verb == "promote":
+            return promote_version(args)
+        if args.verb == "compare":
+            return compare_runs(args)
+        cfg = load_config(args.config, args.overrides)  # fail on bad input before Prefect starts
+        from forgeline.tasks.stages import preflight, upstream_overrides
 
+        if args.verb == "stage" and args.upstream_run:
+            reuse = upstream_overrides(cfg, args.name, args.upstream_run)
+            cfg = load_config(args.config, args.overrides + reuse)
         preflight(cfg, (args.name,) if args.verb == "stage" else STAGES)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"forgeline: {err}", file=sys.stderr)
         return 2
     if args.verb == "run":
-        return run_pipeline(*cfg_source)
-    return run_stage(args.name, *cfg_source)
+        return run_pipeline(args.config, args.overrides, args.force)
+    return run_stage(args.name, args.config, args.overrides, args.upstream_run, args.force)
 
 
 def show_config(args: argparse.Namespace) -> int:
@@ -222,6 +262,35 @@ def checkpoint_action(args: argparse.Namespace) -> int:
     return 0
 
 
+def registry_client(args: argparse.Namespace):
+    from mlflow import MlflowClient
+
+    from forgeline.tasks.tracking import resolve_tracking_uri
+
+    cfg = load_config(args.config, args.overrides)
+    return cfg, MlflowClient(resolve_tracking_uri(cfg), resolve_tracking_uri(cfg))
+
+
+def promote_version(args: argparse.Namespace) -> int:
+    from forgeline.tasks.promote import promote
+    from forgeline.tasks.register import CANDIDATE_ALIAS
+
+    cfg, client = registry_client(args)
+    version = args.version or client.get_model_version_by_alias(cfg.registry.model_name,
+                                                                 CANDIDATE_ALIAS).version
+    decision = promote(client, cfg.registry, str(version), force=args.force)
+    print(decision.describe())
+    return 0 if decision.promoted else 1
+
+
+def compare_runs(args: argparse.Namespace) -> int:
+    from forgeline.tasks.compare import compare_runs, format_comparison
+
+    _, client = registry_client(args)
+    print(format_comparison(compare_runs(client, args.run_ids), args.diff_only))
+    return 0
+
+
 def run_lm_eval(lm_eval_args: list[str]) -> int:
     """lm-eval 0.4 has no plugin entry point for model classes: register ours, then hand its
     command line every argument. Offline by default like the rest of forgeline; the eval stage's
@@ -235,22 +304,24 @@ def run_lm_eval(lm_eval_args: list[str]) -> int:
     return 0
 
 
-def run_pipeline(config: str | None, overrides: list[str]) -> int:
+def run_pipeline(config: str | None, overrides: list[str], force: bool) -> int:
     from forgeline.flows.pipeline import pipeline_flow
 
-    result = pipeline_flow(config=config, overrides=overrides)
+    result = pipeline_flow(config=config, overrides=overrides, force=force)
     print(f"MLflow run: {result.run_id}")
     print(f"Registered model: {result.model_name} version {result.model_version}")
+    print(f"Promotion: {result.promotion}")
     print(f"Eval (chance-normalized, 0 = chance, 1 = best): overall {result.overall:.3f}")
     for name, score in result.dimensions.items():
         print(f"  {name}: {score:.3f}")
     return 0
 
 
-def run_stage(name: str, config: str | None, overrides: list[str]) -> int:
+def run_stage(name: str, config: str | None, overrides: list[str], upstream_run: str | None,
+              force: bool) -> int:
     from forgeline.flows.stages import STAGE_FLOWS
 
-    result = STAGE_FLOWS[name](config=config, overrides=overrides)
+    result = STAGE_FLOWS[name](config=config, overrides=overrides, upstream_run=upstream_run, force=force)
     print(f"{name}: {result}")
     return 0
 

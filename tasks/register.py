@@ -67,6 +67,7 @@ class RegisterResult:
     model_name: str
     version: str
     model_uri: str
+    promotion: str = ""  # the promotion gate's decision, in words
 
 
 def register_model(cfg: Config, run: RunTracker, checkpoint: str, tokenizer_dir: str,
