@@ -7,6 +7,7 @@
     forgeline checkpoints {list,verify,rollback,export} [...]
     forgeline promote [--version V] [--force]   (move alias `champion` if the eval gate passes)
     forgeline compare RUN_ID RUN_ID... [--diff-only]
+    forgeline deploy [--prefect-file prefect.yaml] [--workdir DIR] [--pool NAME]
     forgeline lm-eval ARGS...   (lm-eval's own command line, with the `forgeline` model class)
 """
 
@@ -75,6 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(verbs)
     add_checkpoints_parser(verbs)
     add_registry_parsers(verbs)
+    deploy = verbs.add_parser(
+        "deploy", help="register the Prefect deployments of prefect.yaml",
+        description="Register the deployments of prefect.yaml (the scheduled pipeline and one manual "
+                    "deployment per stage) with the Prefect API in PREFECT_API_URL, creating the work "
+                    "pool as a process pool if it does not exist. Run them with "
+                    "`prefect worker start --pool NAME`.")
+    deploy.add_argument("--prefect-file", default="prefect.yaml", help="default: ./prefect.yaml")
+    deploy.add_argument("--workdir", default=".",
+                        help="directory the flow runs start in: relative output paths and the default "
+                             "MLflow store resolve there (default: the current directory)")
+    deploy.add_argument("--pool", default="forgeline", help="work pool (default: forgeline)")
     verbs.add_parser(
         "lm-eval", add_help=False,
         help="lm-evaluation-harness's command line with the `forgeline` model class registered "
@@ -175,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             return promote_version(args)
         if args.verb == "compare":
             return compare_runs(args)
+        if args.verb == "deploy":
+            return deploy_flows(args)
         cfg = load_config(args.config, args.overrides)  # fail on bad input before Prefect starts
         from forgeline.tasks.stages import preflight, upstream_overrides
 
@@ -288,6 +302,13 @@ def compare_runs(args: argparse.Namespace) -> int:
 
     _, client = registry_client(args)
     print(format_comparison(compare_runs(client, args.run_ids), args.diff_only))
+    return 0
+
+
+def deploy_flows(args: argparse.Namespace) -> int:
+    from forgeline.tasks.deploy import deploy
+
+    print(deploy(Path(args.prefect_file), Path(args.workdir), args.pool), end="")
     return 0
 
 

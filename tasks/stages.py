@@ -15,6 +15,7 @@ from forgeline.model.data import MANIFEST_NAME
 from forgeline.model.parallel import resolve_precision
 from forgeline.tasks import STAGES
 from forgeline.tasks.cache import out_dir_tag, outputs_tag, run_cached
+from forgeline.tasks.curves import LOSS_PLOT, write_loss_curve
 from forgeline.tasks.data import DataResult, build_dataset
 from forgeline.tasks.evaluate import METRICS_NAME, EvalResult, evaluate_model, plan_tasks, read_eval_metrics
 from forgeline.tasks.promote import promote
@@ -23,6 +24,7 @@ from forgeline.tasks.tracking import RunTracker, dvc_hash, resolve_tracking_uri,
 from forgeline.tasks.train import SUMMARY_NAME, TrainResult, read_train_summary, train_model
 
 DATA_VERSION_TAG = "forgeline.data.dvc_md5"
+DATASET_NAME = "forgeline-data"  # the MLflow dataset; its digest is the DVC hash of data.out_dir
 UPSTREAM_RUN_TAG = "forgeline.upstream_run"
 UPSTREAM = {stage: STAGES[:index] for index, stage in enumerate(STAGES)}
 
@@ -95,10 +97,12 @@ def run_data_stage(cfg: Config, parent_run_id: str | None = None, force: bool = 
                    "forgeline.data.manifest_sha256": result.manifest_sha256}
         run.log_metrics(metrics)
         run.set_tags(lineage)
+        run.log_dataset(DATASET_NAME, result.out_dir, lineage[DATA_VERSION_TAG], "output")
         run.log_artifact(Path(result.out_dir) / MANIFEST_NAME, "data")
         run.log_artifact(Path(result.out_dir) / "tokenizer", "data/tokenizer")
         if parent:
             parent.set_tags(lineage)
+            parent.log_dataset(DATASET_NAME, result.out_dir, lineage[DATA_VERSION_TAG], "training")
             parent.log_metrics({f"data/{k}": v for k, v in metrics.items()})
     return result
 
@@ -110,19 +114,36 @@ def run_train_stage(cfg: Config, parent_run_id: str | None = None, run_key: str 
     with tracked_run(cfg, "train", parent_run_id, run_key=run_key) as run:
         run.log_params({k: v for k, v in cfg.flat().items()
                         if k.split(".")[0] in ("model", "parallel", "train", "checkpoint")})
-        result = run_cached("train", cfg, run, parent, TrainResult,
-                            lambda: train_model(cfg, mlflow_run_id=run.run_id), force)
+        run.log_dataset(DATASET_NAME, cfg.data.out_dir, dvc_hash(cfg.data.out_dir), "training")
+
+        def train_and_plot() -> TrainResult:
+            trained = train_model(cfg, mlflow_run_id=run.run_id)
+            write_loss_curve(run.client, run.run_id, Path(trained.out_dir))
+            return trained
+
+        result = run_cached("train", cfg, run, parent, TrainResult, train_and_plot, force)
         summary = {"final_loss": result.loss, "tokens_seen": result.tokens_seen,
                    "worker_failures": len(result.failures)}
         run.log_metrics(summary, step=result.step)
-        run.set_tags({"forgeline.checkpoint": str(Path(result.checkpoint).resolve()),
-                      **{f"forgeline.worker_failure.{i + 1}": why for i, why in enumerate(result.failures)}})
+        checkpoint = {"forgeline.checkpoint": str(Path(result.checkpoint).resolve()),
+                      "forgeline.checkpoint_uri": checkpoint_uri(cfg, result.checkpoint)}
+        failures = {f"forgeline.worker_failure.{i + 1}": why for i, why in enumerate(result.failures)}
+        run.set_tags(checkpoint | failures)
         run.log_artifact(Path(result.out_dir) / "config.yaml")
+        run.log_artifact(Path(result.out_dir) / LOSS_PLOT, "train")
         if parent:
+            parent.log_artifact(Path(result.out_dir) / LOSS_PLOT, "train")
             parent.log_metrics({f"train/{k}": v for k, v in summary.items()}, step=result.step)
-            parent.set_tags({"forgeline.checkpoint": str(Path(result.checkpoint).resolve()),
-                             "forgeline.train_run_id": run.run_id})
+            parent.set_tags({**checkpoint, "forgeline.train_run_id": run.run_id})
     return result
+
+
+def checkpoint_uri(cfg: Config, checkpoint: str) -> str:
+    """Where the checkpoint lives for good: its upload under checkpoint.persistent_url, else the
+    local directory."""
+    if cfg.checkpoint.persistent_url:
+        return f"{cfg.checkpoint.persistent_url.rstrip('/')}/{Path(checkpoint).name}"
+    return Path(checkpoint).resolve().as_uri()
 
 
 def run_eval_stage(cfg: Config, parent_run_id: str | None = None, force: bool = False) -> EvalResult:
