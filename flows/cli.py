@@ -8,6 +8,7 @@
     forgeline promote [--version V] [--force]   (move alias `champion` if the eval gate passes)
     forgeline compare RUN_ID RUN_ID... [--diff-only]
     forgeline deploy [--prefect-file prefect.yaml] [--workdir DIR] [--pool NAME]
+    forgeline reproduce RUN_ID [--out DIR] [--tolerance T]
     forgeline lm-eval ARGS...   (lm-eval's own command line, with the `forgeline` model class)
 """
 
@@ -112,6 +113,18 @@ def add_registry_parsers(verbs: argparse._SubParsersAction) -> None:
     add_config_arguments(compare)
     compare.add_argument("run_ids", nargs="+", metavar="RUN_ID")
     compare.add_argument("--diff-only", action="store_true", help="only the rows that differ")
+    reproduce = verbs.add_parser(
+        "reproduce", help="rerun a recorded pipeline run and check its data and scores match",
+        description="Rerun data -> train -> eval of pipeline run RUN_ID from its recorded config "
+                    "(artifact config.yaml), on its code version (this checkout must be at its git "
+                    "commit, clean) into fresh output directories, then compare the data version (DVC "
+                    "md5) and every eval score with the recorded ones. Registers nothing. Exit 0 if all "
+                    "match, 1 if not. --config/--set only say where the MLflow store is.")
+    add_config_arguments(reproduce)
+    reproduce.add_argument("run_id", metavar="RUN_ID")
+    reproduce.add_argument("--out", help="output root (default: reproduce/RUN_ID)")
+    reproduce.add_argument("--tolerance", type=float, default=1e-6,
+                           help="largest absolute score difference that still matches (default 1e-6)")
 
 
 def add_checkpoints_parser(verbs: argparse._SubParsersAction) -> None:
@@ -189,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             return compare_runs(args)
         if args.verb == "deploy":
             return deploy_flows(args)
+        if args.verb == "reproduce":
+            return reproduce_run(args)
         cfg = load_config(args.config, args.overrides)  # fail on bad input before Prefect starts
         from forgeline.tasks.stages import preflight, upstream_overrides
 
@@ -303,6 +318,29 @@ def compare_runs(args: argparse.Namespace) -> int:
     _, client = registry_client(args)
     print(format_comparison(compare_runs(client, args.run_ids), args.diff_only))
     return 0
+
+
+def reproduce_run(args: argparse.Namespace) -> int:
+    from forgeline.flows.pipeline import reproduce_flow
+    from forgeline.tasks.reproduce import check_code_version, compare, output_overrides, recorded_run
+    from forgeline.tasks.tracking import dvc_hash
+
+    _, client = registry_client(args)
+    recorded = recorded_run(client, args.run_id)
+    check_code_version(recorded)
+    root = Path(args.out or Path("reproduce") / args.run_id).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text(recorded.config_yaml)
+    overrides = output_overrides(root)
+    tracking = [f"registry.tracking_uri={client.tracking_uri}"]
+    run_id, evaluation = reproduce_flow(config=str(root / "config.yaml"), overrides=overrides + tracking,
+                                        reproduces=args.run_id)
+    checks = compare(recorded, dvc_hash(root / "data"), evaluation.metrics, args.tolerance)
+    print(f"reproduced run {args.run_id} as {run_id} (outputs in {root}):")
+    for check in checks:
+        print(f"  {'same' if check.matches else 'DIFFERS':<7} {check.name}: recorded {check.recorded}, "
+              f"reproduced {check.reproduced}")
+    return 0 if all(check.matches for check in checks) else 1
 
 
 def deploy_flows(args: argparse.Namespace) -> int:

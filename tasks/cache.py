@@ -25,7 +25,7 @@ from mlflow.exceptions import MlflowException
 
 from forgeline.configs import Config
 from forgeline.tasks.atomic import write_text_atomic
-from forgeline.tasks.tracking import RunTracker, dvc_hash, resolve_tracking_uri
+from forgeline.tasks.tracking import PACKAGE_ROOT, RunTracker, dvc_hash, resolve_tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,6 @@ Result = TypeVar("Result")
 
 CACHE_TAG = "forgeline.cache"
 CACHE_SOURCE_TAG = "forgeline.cache.source_run"
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the forgeline package root (the repo, editable)
 
 # The same sections and code as each stage's params and deps in dvc.yaml.
 STAGE_SECTIONS = {"data": ("data",), "train": ("model", "parallel", "train", "checkpoint"),

@@ -6,6 +6,7 @@ active-run stack), so stages can run in Prefect's worker threads and in torchrun
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -73,8 +74,13 @@ def resolve_artifact_location(location: str) -> str:
     return location if "://" in location else Path(location).resolve().as_uri()
 
 
-def git_info(cwd: str | Path = ".") -> dict[str, str]:
-    """Commit and dirty flag of the working tree, or 'unknown' outside a git checkout."""
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the checkout of an editable install
+
+
+def git_info(cwd: str | Path = PACKAGE_ROOT) -> dict[str, str]:
+    """Commit and dirty flag of the checkout forgeline runs from, and with uncommitted changes
+    the sha256 of their diff: together the code version. 'unknown' when forgeline is not
+    installed from a git checkout."""
     def git(*args: str) -> str | None:
         try:
             done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30)
@@ -86,7 +92,10 @@ def git_info(cwd: str | Path = ".") -> dict[str, str]:
     if commit is None:
         return {"git.commit": "unknown", "git.dirty": "unknown"}
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"git.commit": commit, "git.dirty": str(bool(status)).lower()}
+    info = {"git.commit": commit, "git.dirty": str(bool(status)).lower()}
+    if status:
+        info["git.diff_sha256"] = hashlib.sha256((git("diff", "HEAD") or "").encode()).hexdigest()
+    return info
 
 
 @dataclass
