@@ -185,8 +185,9 @@ def tracked_run(cfg: Config, name: str, parent_run_id: str | None = None,
     # CPU, memory, disk and network (and GPU when there is one) of the work, not of the waiting
     # parent: sampled for stage runs only.
     monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S,
-                                   resume_logging=attempt > 1, tracking_uri=client.tracking_uri)
-    if parent_run_id:
+                                   resume_logging=attempt > 1,
+                                   tracking_uri=client.tracking_uri) if parent_run_id else None
+    if monitor:
         monitor.start()
     try:
         yield tracker
@@ -195,7 +196,7 @@ def tracked_run(cfg: Config, name: str, parent_run_id: str | None = None,
         client.set_terminated(tracker.run_id, RunStatus.to_string(RunStatus.FAILED))
         raise
     finally:
-        if parent_run_id:
+        if monitor:
             monitor.finish()
     client.set_terminated(tracker.run_id, RunStatus.to_string(RunStatus.FINISHED))
 

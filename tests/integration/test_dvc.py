@@ -102,9 +102,10 @@ def test_dvc_repro_runs_the_pipeline_and_reruns_only_what_changed(tmp_path: Path
     round_trip(repo, "-r", "s3")
 
     # The loss curve, one point per step.
-    plots = json.loads(run([DVC, "plots", "show", "--json"], repo).stdout)
-    points = find_key(plots, "artifacts/train/loss.csv") or find_key(plots, "data")
-    assert points, plots
+    plots = json.loads(run([DVC, "plots", "show", "--json"], repo).stdout)["data"]
+    assert plots["artifacts/eval/dimensions.png"][0]["type"] == "image"
+    [curve] = plots["artifacts/train/loss.csv"]
+    assert {int(point["step"]) for point in find_key(curve["content"], "values")} == set(range(1, 21))
 
     # A change to the eval code that leaves the scores as they were: only eval reruns.
     with open(repo / "eval" / "lm.py", "a") as f:
@@ -117,5 +118,6 @@ def test_dvc_repro_runs_the_pipeline_and_reruns_only_what_changed(tmp_path: Path
     third = run([DVC, "exp", "run", "-S", "configs/tiny.yaml:eval.dimensions.reasoning.limit=5"], repo)
     assert stages_run(third.stdout) == ["eval", "register"]
     assert "up to date" in run([DVC, "status"], repo).stdout
-    diff = json.loads(run([DVC, "metrics", "diff", "--json"], repo).stdout)
-    assert find_key(diff, "dimension/reasoning") is not None, diff
+    diff = json.loads(run([DVC, "metrics", "diff", "--json"], repo).stdout)  # against the first run
+    changed = diff["artifacts/eval/metrics.json"]
+    assert changed and all(entry["old"] != entry["new"] for entry in changed.values()), diff

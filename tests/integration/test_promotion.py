@@ -1,13 +1,19 @@
 """Eval-gated promotion against a real MLflow registry (sqlite store): one trained checkpoint is
 registered three times with different eval outcomes, through the register stage; `candidate`
 follows every new version and `champion` only the ones the gate lets through. Then
-`forgeline promote` and `forgeline compare` as a user runs them."""
+`forgeline promote` and `forgeline compare` as a user runs them, and `mlflow models serve` of
+the champion answering a generation request."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from mlflow import MlflowClient
 
@@ -19,8 +25,10 @@ from forgeline.tasks.stages import run_register_stage
 from forgeline.tasks.tracking import resolve_tracking_uri
 from forgeline.tasks.train import train_model
 from tests.conftest import debug_config
+from tests.integration.conftest import free_port
+from tests.integration.helpers import VENV_BIN, user_env
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 GATE = ("registry.promotion_margin=0.01", "registry.max_dimension_regression=0.05")
 
@@ -75,3 +83,35 @@ def test_champion_moves_only_when_the_gate_passes(tmp_path: Path, data_root: Pat
     assert table[0].split() == runs
     assert any(line.split()[:2] == ["*", "eval.out_dir"] for line in table)
     assert not any(line.split()[1:2] == ["model.dim"] for line in table)
+
+
+def test_mlflow_models_serve_answers_a_generation_request(tmp_path: Path, data_root: Path) -> None:
+    train_model(debug_config(tmp_path, f"data.out_dir={data_root / 'data'}", "train.peak_tflops=1"))
+    cfg, version = register_with_scores(tmp_path, data_root, "eval", 0.3, math=0.3)
+    port = free_port()
+    env = user_env(tmp_path) | {"MLFLOW_TRACKING_URI": resolve_tracking_uri(cfg)}
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen(
+        [str(VENV_BIN / "mlflow"), "models", "serve", "-m", f"models:/{cfg.registry.model_name}@champion",
+         "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ping", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(1)
+        answer = httpx.post(f"http://127.0.0.1:{port}/invocations", timeout=120, json={
+            "dataframe_records": [{"prompt": "ROMEO:"}, {"prompt": "JULIET:"}],
+            "params": {"max_new_tokens": 8}})
+        assert answer.status_code == 200, answer.text
+        predictions = answer.json()["predictions"]
+        assert len(predictions) == 2 and all(isinstance(text, str) and text for text in predictions)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+        log.close()
