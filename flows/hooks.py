@@ -9,6 +9,7 @@ from prefect import Flow
 from prefect.blocks.core import Block
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.runtime import flow_run
+from prefect.settings import PREFECT_UI_URL
 
 from forgeline.configs import ConfigError, load_config
 
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 def prefect_tags() -> dict[str, str]:
     """MLflow tags that lead from a run back to the Prefect flow run that made it."""
     tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_name": flow_run.name}
-    if flow_run.ui_url:  # None without a Prefect UI (a temporary API)
+    if PREFECT_UI_URL.value():  # none for a temporary API
         tags["prefect.flow_run_url"] = flow_run.ui_url
     if flow_run.parent_deployment_id:
         tags["prefect.deployment_id"] = str(flow_run.parent_deployment_id)

@@ -65,7 +65,7 @@ def browser() -> Iterator[webdriver.Chrome]:
         "Debian's chromium and chromium-driver are missing: run `make browser` (root, apt)"
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1000"):
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,2400"):
         options.add_argument(arg)
     driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
     try:
@@ -93,14 +93,16 @@ def test_two_pipeline_runs_open_in_the_compare_view(tmp_path: Path, mlflow_serve
     names = [r.info.run_name for r in runs]
     experiment = runs[0].info.experiment_id
 
-    browser.get(f"{mlflow_server}/#/experiments/{experiment}")
-    wait_for_text(browser, *names)
+    browser.get(f"{mlflow_server}/#/experiments/{experiment}/runs")  # the "Training runs" tab
+    listing = wait_for_text(browser, *names)
+    assert f"forgeline-data ({runs[0].data.tags['forgeline.data.dvc_md5']})" in listing  # the dataset input
 
     compare = (f"{mlflow_server}/#/compare-runs?runs={quote(json.dumps(run_ids))}"
                f"&experiments={quote(json.dumps([experiment]))}")
     browser.get(compare)
-    text = wait_for_text(browser, *names, "eval.batch_size", "eval/overall")
+    # Params, metrics and tags side by side (the tables render the rows in view: check early ones).
+    text = wait_for_text(browser, *names, "eval.batch_size", "data/documents", "forgeline.data.dvc_md5")
     screenshot = tmp_path / "mlflow-compare.png"
     assert browser.save_screenshot(str(screenshot)), "no screenshot"
     assert screenshot.stat().st_size > 10_000
-    assert "train.steps" in text
+    assert "Show diff only" in text and "train.steps" in text
