@@ -1,7 +1,7 @@
 """The MLflow UI as a user sees it: two `forgeline run`s against a real `mlflow server` on
 127.0.0.1, opened in headless Chromium (Debian's, installed by `make browser`): both runs are in
 the experiment's run list and open side by side in the compare view, whose screenshot is saved
-as mlflow-compare.png in the test's directory."""
+as artifacts/screenshots/mlflow-compare.png (ignored by git; CI can keep it)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.support.ui import WebDriverWait
 
+from tests.conftest import REPO_ROOT
 from tests.integration.conftest import free_port
 from tests.integration.helpers import VENV_BIN, run, user_env
 
@@ -102,7 +103,8 @@ def test_two_pipeline_runs_open_in_the_compare_view(tmp_path: Path, mlflow_serve
     browser.get(compare)
     # Params, metrics and tags side by side (the tables render the rows in view: check early ones).
     text = wait_for_text(browser, *names, "eval.batch_size", "data/documents", "forgeline.data.dvc_md5")
-    screenshot = tmp_path / "mlflow-compare.png"
+    screenshot = REPO_ROOT / "artifacts" / "screenshots" / "mlflow-compare.png"
+    screenshot.parent.mkdir(parents=True, exist_ok=True)
     assert browser.save_screenshot(str(screenshot)), "no screenshot"
     assert screenshot.stat().st_size > 10_000
     assert "Show diff only" in text and "train.steps" in text
