@@ -38,7 +38,7 @@ CACHE_SOURCE_TAG = "forgeline.cache.source_run"
 STAGE_SECTIONS = {"data": ("data",), "train": ("model", "parallel", "train", "checkpoint"),
                   "eval": ("eval",), "register": ("registry",)}
 STAGE_CODE = {"data": ("tasks/data.py", "model/data.py"), "train": ("model", "tasks/train.py"),
-              "eval": ("eval", "tasks/evaluate.py"), "register": ("tasks/register.py",)}
+              "eval": ("eval", "tasks/evaluate.py"), "register": ("tasks/register.py", "model/hf.py")}
 STAGE_UPSTREAM = {"data": (), "train": ("data",), "eval": ("data", "train"),
                   "register": ("data", "train", "eval")}
 
