@@ -46,4 +46,4 @@ repro: install
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/dvc repro
 
 clean:
-	rm -rf artifacts mlflow.db mlartifacts dvc-storage
+	rm -rf artifacts mlflow.db mlartifacts
