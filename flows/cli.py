@@ -196,10 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             return plan_layout(args)
         if args.verb == "checkpoints":
             return manage_checkpoints(args)
-        if args.verb == "promote":
-            return promote_version(args)
-        if args.verb == "compare":
-            return compare_runs(args)
+        if args.verb in ("promote", "compare"):
+            return registry_action(args)
         if args.verb == "deploy":
             return deploy_flows(args)
         if args.verb == "reproduce":
@@ -298,6 +296,16 @@ def registry_client(args: argparse.Namespace):
 
     cfg = load_config(args.config, args.overrides)
     return cfg, MlflowClient(resolve_tracking_uri(cfg), resolve_tracking_uri(cfg))
+
+
+def registry_action(args: argparse.Namespace) -> int:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return promote_version(args) if args.verb == "promote" else compare_runs(args)
+    except MlflowException as err:  # an unknown run, model, version or alias
+        print(f"forgeline: {err.message}", file=sys.stderr)
+        return 2
 
 
 def promote_version(args: argparse.Namespace) -> int:

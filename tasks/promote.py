@@ -48,6 +48,8 @@ class Decision:
     reasons: list[str]  # why the gate failed; empty when it passed
 
     def describe(self) -> str:
+        if self.promoted and self.champion_before == self.version:
+            return f"{self.model_name} version {self.version} is already @{CHAMPION_ALIAS}"
         if self.promoted:
             before = f"replacing version {self.champion_before}" if self.champion_before else "first champion"
             return f"{self.model_name} version {self.version} is now @{CHAMPION_ALIAS} ({before})"
