@@ -117,7 +117,8 @@ def add_registry_parsers(verbs: argparse._SubParsersAction) -> None:
         "reproduce", help="rerun a recorded pipeline run and check its data and scores match",
         description="Rerun data -> train -> eval of pipeline run RUN_ID from its recorded config "
                     "(artifact config.yaml), on its code version (this checkout must be at its git "
-                    "commit, clean) into fresh output directories, then compare the data version (DVC "
+                    "commit, with the same uncommitted diff if it had one) into fresh output "
+                    "directories, then compare the data version (DVC "
                     "md5) and every eval score with the recorded ones. Registers nothing. Exit 0 if all "
                     "match, 1 if not. --config/--set only say where the MLflow store is.")
     add_config_arguments(reproduce)
