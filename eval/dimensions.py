@@ -20,6 +20,10 @@ Where the chance values come from:
     that always prefers meaningful sentences and is unbiased (ss = 0.5). CrowS-Pairs'
     pct_stereotype is not registered: its ideal (0.5) is also what guessing scores, so it has
     no (value - chance) / (best - chance) form; forgeline_crows_pairs still runs on request.
+
+With eval.task_source=hub the tasks that have a `hub_task` run lm-eval's standard task instead
+(the same prompts and metric; ARC's test split instead of validation, whose chance differs by
+less than 0.001).
 """
 
 from __future__ import annotations
@@ -38,24 +42,30 @@ class TaskScore:
     """What random guessing scores on this metric."""
     best: float
     """The best possible value."""
+    hub_task: str | None = None
+    """lm-eval's standard task for the same benchmark, prompts and metric, reading its data from
+    the Hugging Face Hub (eval.task_source=hub); None where there is none or it cannot run here
+    (lm-eval's code tasks score with a metric fetched from the Hub)."""
 
 
 DIMENSIONS: dict[str, tuple[TaskScore, ...]] = {
     "reasoning": (
-        TaskScore("forgeline_hellaswag", "acc_norm", chance=0.25, best=1.0),
-        TaskScore("forgeline_arc_easy", "acc_norm", chance=0.249971, best=1.0),
-        TaskScore("forgeline_arc_challenge", "acc_norm", chance=0.250669, best=1.0),
-        TaskScore("forgeline_piqa", "acc_norm", chance=0.5, best=1.0),
-        TaskScore("forgeline_winogrande", "acc", chance=0.5, best=1.0),
-        TaskScore("forgeline_boolq", "acc", chance=0.5, best=1.0),
+        TaskScore("forgeline_hellaswag", "acc_norm", chance=0.25, best=1.0, hub_task="hellaswag"),
+        TaskScore("forgeline_arc_easy", "acc_norm", chance=0.249971, best=1.0, hub_task="arc_easy"),
+        TaskScore("forgeline_arc_challenge", "acc_norm", chance=0.250669, best=1.0,
+                  hub_task="arc_challenge"),
+        TaskScore("forgeline_piqa", "acc_norm", chance=0.5, best=1.0, hub_task="piqa"),
+        TaskScore("forgeline_winogrande", "acc", chance=0.5, best=1.0, hub_task="winogrande"),
+        TaskScore("forgeline_boolq", "acc", chance=0.5, best=1.0, hub_task="boolq"),
     ),
     "knowledge": (
-        TaskScore("forgeline_mmlu", "acc", chance=0.25, best=1.0),
-        TaskScore("forgeline_triviaqa", "exact_match/remove_whitespace", chance=0.0, best=1.0),
+        TaskScore("forgeline_mmlu", "acc", chance=0.25, best=1.0, hub_task="mmlu"),
+        TaskScore("forgeline_triviaqa", "exact_match/remove_whitespace", chance=0.0, best=1.0,
+                  hub_task="triviaqa"),
     ),
     "math": (
-        TaskScore("forgeline_gsm8k", "exact_match/flexible-extract", chance=0.0, best=1.0),
-        TaskScore("forgeline_math500", "exact_match", chance=0.0, best=1.0),
+        TaskScore("forgeline_gsm8k", "exact_match/flexible-extract", chance=0.0, best=1.0, hub_task="gsm8k"),
+        TaskScore("forgeline_math500", "exact_match", chance=0.0, best=1.0, hub_task="hendrycks_math500"),
     ),
     "code": (
         TaskScore("forgeline_humaneval", "pass_at_1", chance=0.0, best=1.0),
@@ -67,6 +77,6 @@ DIMENSIONS: dict[str, tuple[TaskScore, ...]] = {
     ),
     "language_modeling": (
         TaskScore("forgeline_heldout", "bits_per_byte", chance=8.0, best=0.0),
-        TaskScore("forgeline_lambada", "acc", chance=0.0, best=1.0),
+        TaskScore("forgeline_lambada", "acc", chance=0.0, best=1.0, hub_task="lambada_openai"),
     ),
 }

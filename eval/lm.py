@@ -44,11 +44,21 @@ def score_continuation(logits: torch.Tensor, target: torch.Tensor) -> tuple[floa
     return float(logprob.sum()), bool((logits.argmax(-1) == target).all())
 
 
+def usable_device(requested: str) -> str:
+    """lm-eval's command line asks for cuda:0 unless told otherwise; like its `hf` backend, fall
+    back to the CPU where there is no GPU."""
+    if torch.device(requested).type == "cuda" and not torch.cuda.is_available():
+        log.warning("device %s requested but CUDA is not available; running on the CPU", requested)
+        return "cpu"
+    return requested
+
+
 @register_model("forgeline")
 class ForgelineLM(TemplateLM):
     def __init__(self, tokenizer: str, checkpoint: str | None = None, bundle: str | None = None,
                  hf: str | None = None, batch_size: int | str = 16, max_length: int | None = None,
                  device: str = "cpu", **_ignored) -> None:
+        device = usable_device(device)
         sources = {"checkpoint": checkpoint, "bundle": bundle, "hf": hf}
         if sum(v is not None for v in sources.values()) != 1:
             raise ValueError("forgeline model_args need exactly one of checkpoint=..., bundle=... or hf=...")
@@ -143,7 +153,7 @@ class ForgelineLM(TemplateLM):
         for group, context in enumerate(contexts):
             prompts[group, width - len(context):] = torch.tensor(context)
             cache.valid[group, width - len(context):width] = True
-        first = self.model(prompts.to(self.device), cache)[:, -1].float()  # (G, V) logits
+        first = self._logits(self.model.hidden_states(prompts.to(self.device), cache)[:, -1])  # (G, V)
         cache.select(torch.tensor([group for group, _ in rows], device=self.device))
         cache.valid[:, width:] = True  # padding at the end of a continuation only follows it
         rest = None
@@ -152,7 +162,7 @@ class ForgelineLM(TemplateLM):
             for row, (_, index) in enumerate(rows):
                 continuation = requests[index][2]
                 inputs[row, : len(continuation) - 1] = torch.tensor(continuation[:-1])
-            rest = self.model(inputs.to(self.device), cache).float()  # (R, C-1, V) logits
+            rest = self._logits(self.model.hidden_states(inputs.to(self.device), cache))  # (R, C-1, V)
         for row, (group, index) in enumerate(rows):
             continuation = requests[index][2]
             predicted = first[group][None]  # (1, V): the context's last position predicts token 0
@@ -172,13 +182,21 @@ class ForgelineLM(TemplateLM):
             padded = torch.full((len(batch), len(batch[0])), self.eot_token_id, dtype=torch.long)
             for row, inputs in enumerate(batch):
                 padded[row, : len(inputs)] = torch.tensor(inputs)
-            logits = self.model(padded.to(self.device)).float()  # (B, T, V)
-            for row, inputs in enumerate(batch):
+            hidden = self.model.hidden_states(padded.to(self.device))  # (B, T, C)
+            # Only the positions that predict a continuation token get logits.
+            spans = [max(len(windows[index][1]) for index in users[inputs]) for inputs in batch]
+            needed = [hidden[row, len(inputs) - span: len(inputs)]
+                      for row, (inputs, span) in enumerate(zip(batch, spans, strict=True))]
+            logits = self._logits(torch.cat(needed))  # (sum of spans, V)
+            for inputs, row_logits in zip(batch, logits.split(spans), strict=True):
                 for index in users[inputs]:
                     continuation = windows[index][1]
-                    span = logits[row, len(inputs) - len(continuation): len(inputs)]  # (C, V)
-                    yield index, score_continuation(span, torch.tensor(continuation, device=self.device))
+                    yield index, score_continuation(row_logits[len(row_logits) - len(continuation):],
+                                                    torch.tensor(continuation, device=self.device))
                 progress.update(len(users[inputs]))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.output(hidden).float()
 
     def _window(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
         """Model inputs (the last max_length tokens of context + continuation, minus the final

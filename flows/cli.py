@@ -1,10 +1,14 @@
 """`forgeline`: run the pipeline, one stage, or inspect a config.
 
-    forgeline run [--config PATH] [--set section.key=value ...]
-    forgeline stage {data,train,eval,register} [--config PATH] [--set ...]
+    forgeline run [--config PATH] [--set section.key=value ...] [--force]
+    forgeline stage {data,train,eval,register} [--config PATH] [--set ...] [--upstream-run RUN_ID] [--force]
     forgeline config show [--config PATH] [--set ...] [--docs]
     forgeline plan --nodes N --accelerators-per-node K --memory-gib G [...] [--write-config OUT]
     forgeline checkpoints {list,verify,rollback,export} [...]
+    forgeline promote [--version V] [--force]   (move alias `champion` if the eval gate passes)
+    forgeline compare RUN_ID RUN_ID... [--diff-only]
+    forgeline deploy [--prefect-file prefect.yaml] [--workdir DIR] [--pool NAME]
+    forgeline reproduce RUN_ID [--out DIR] [--tolerance T]
     forgeline lm-eval ARGS...   (lm-eval's own command line, with the `forgeline` model class)
 """
 
@@ -30,6 +34,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                                          "--set train.steps=50 --set parallel.dp_shard=2")
 
 
+def add_force_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--force", action="store_true",
+                        help="run even a stage whose inputs (config section, upstream outputs, code) are "
+                             "unchanged and whose outputs verify; by default such a stage is skipped")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="forgeline",
@@ -43,12 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
                                        "forgeline-pipeline Prefect flow under one MLflow parent "
                                        "run; prints the run id and the registered model version.")
     add_config_arguments(run)
+    add_force_argument(run)
 
     stage = verbs.add_parser("stage", help="run one stage as its own Prefect flow",
                              description="Run one stage; it reads its inputs from the upstream "
                                          "stages' output directories named in the config.")
     stage.add_argument("name", choices=STAGES, help="the stage to run")
     add_config_arguments(stage)
+    add_force_argument(stage)
+    stage.add_argument("--upstream-run", metavar="RUN_ID",
+                       help="read the upstream stages' outputs recorded by this earlier MLflow run (a "
+                            "pipeline or stage run) instead of the config's output directories")
 
     config = verbs.add_parser("config", help="inspect and validate run configs",
                               description="Inspect and validate run configs.")
@@ -61,11 +76,56 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print every section and field with its default and meaning instead")
     add_plan_parser(verbs)
     add_checkpoints_parser(verbs)
+    add_registry_parsers(verbs)
+    deploy = verbs.add_parser(
+        "deploy", help="register the Prefect deployments of prefect.yaml",
+        description="Register the deployments of prefect.yaml (the scheduled pipeline and one manual "
+                    "deployment per stage) with the Prefect API in PREFECT_API_URL, creating the work "
+                    "pool as a process pool if it does not exist. Run them with "
+                    "`prefect worker start --pool NAME`.")
+    deploy.add_argument("--prefect-file", default="prefect.yaml", help="default: ./prefect.yaml")
+    deploy.add_argument("--workdir", default=".",
+                        help="directory the flow runs start in: relative output paths and the default "
+                             "MLflow store resolve there (default: the current directory)")
+    deploy.add_argument("--pool", default="forgeline", help="work pool (default: forgeline)")
     verbs.add_parser(
         "lm-eval", add_help=False,
         help="lm-evaluation-harness's command line with the `forgeline` model class registered "
              "(every argument is lm-eval's; `forgeline lm-eval --help` shows them)")
     return parser
+
+
+def add_registry_parsers(verbs: argparse._SubParsersAction) -> None:
+    promote = verbs.add_parser(
+        "promote", help="move alias `champion` to a model version if the promotion gate passes",
+        description="Apply the promotion gate (registry.promotion_margin, "
+                    "registry.max_dimension_regression) to a version of registry.model_name and move "
+                    "alias `champion` to it if it passes. The register stage does this for every new "
+                    "version; use this after changing the gate, or --force to roll back.")
+    add_config_arguments(promote)
+    promote.add_argument("--version", help="model version (default: the one aliased `candidate`)")
+    promote.add_argument("--force", action="store_true",
+                         help="move `champion` without the gate, e.g. back to an earlier version")
+    compare = verbs.add_parser(
+        "compare", help="params and metrics of MLflow runs side by side",
+        description="Print the params and latest metrics of MLflow runs side by side, as the MLflow "
+                    "UI's compare view shows them; `*` marks rows that differ.")
+    add_config_arguments(compare)
+    compare.add_argument("run_ids", nargs="+", metavar="RUN_ID")
+    compare.add_argument("--diff-only", action="store_true", help="only the rows that differ")
+    reproduce = verbs.add_parser(
+        "reproduce", help="rerun a recorded pipeline run and check its data and scores match",
+        description="Rerun data -> train -> eval of pipeline run RUN_ID from its recorded config "
+                    "(artifact config.yaml), on its code version (this checkout must be at its git "
+                    "commit, with the same uncommitted diff if it had one) into fresh output "
+                    "directories, then compare the data version (DVC "
+                    "md5) and every eval score with the recorded ones. Registers nothing. Exit 0 if all "
+                    "match, 1 if not. --config/--set only say where the MLflow store is.")
+    add_config_arguments(reproduce)
+    reproduce.add_argument("run_id", metavar="RUN_ID")
+    reproduce.add_argument("--out", help="output root (default: reproduce/RUN_ID)")
+    reproduce.add_argument("--tolerance", type=float, default=1e-6,
+                           help="largest absolute score difference that still matches (default 1e-6)")
 
 
 def add_checkpoints_parser(verbs: argparse._SubParsersAction) -> None:
@@ -137,17 +197,25 @@ def main(argv: list[str] | None = None) -> int:
             return plan_layout(args)
         if args.verb == "checkpoints":
             return manage_checkpoints(args)
-        cfg_source = (args.config, args.overrides)
-        cfg = load_config(*cfg_source)  # fail on bad input before Prefect starts
-        from forgeline.tasks.stages import preflight
+        if args.verb in ("promote", "compare"):
+            return registry_action(args)
+        if args.verb == "deploy":
+            return deploy_flows(args)
+        if args.verb == "reproduce":
+            return reproduce_run(args)
+        cfg = load_config(args.config, args.overrides)  # fail on bad input before Prefect starts
+        from forgeline.tasks.stages import preflight, upstream_overrides
 
+        if args.verb == "stage" and args.upstream_run:
+            reuse = upstream_overrides(cfg, args.name, args.upstream_run)
+            cfg = load_config(args.config, args.overrides + reuse)
         preflight(cfg, (args.name,) if args.verb == "stage" else STAGES)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"forgeline: {err}", file=sys.stderr)
         return 2
     if args.verb == "run":
-        return run_pipeline(*cfg_source)
-    return run_stage(args.name, *cfg_source)
+        return run_pipeline(args.config, args.overrides, args.force)
+    return run_stage(args.name, args.config, args.overrides, args.upstream_run, args.force)
 
 
 def show_config(args: argparse.Namespace) -> int:
@@ -222,6 +290,75 @@ def checkpoint_action(args: argparse.Namespace) -> int:
     return 0
 
 
+def registry_client(args: argparse.Namespace):
+    from mlflow import MlflowClient
+
+    from forgeline.tasks.tracking import resolve_tracking_uri
+
+    cfg = load_config(args.config, args.overrides)
+    return cfg, MlflowClient(resolve_tracking_uri(cfg), resolve_tracking_uri(cfg))
+
+
+def registry_action(args: argparse.Namespace) -> int:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return promote_version(args) if args.verb == "promote" else compare_runs(args)
+    except MlflowException as err:  # an unknown run, model, version or alias
+        print(f"forgeline: {err.message}", file=sys.stderr)
+        return 2
+
+
+def promote_version(args: argparse.Namespace) -> int:
+    from forgeline.tasks.promote import promote
+    from forgeline.tasks.register import CANDIDATE_ALIAS
+
+    cfg, client = registry_client(args)
+    version = args.version or client.get_model_version_by_alias(cfg.registry.model_name,
+                                                                 CANDIDATE_ALIAS).version
+    decision = promote(client, cfg.registry, str(version), force=args.force)
+    print(decision.describe())
+    return 0 if decision.promoted else 1
+
+
+def compare_runs(args: argparse.Namespace) -> int:
+    from forgeline.tasks.compare import compare_runs, format_comparison
+
+    _, client = registry_client(args)
+    print(format_comparison(compare_runs(client, args.run_ids), args.diff_only))
+    return 0
+
+
+def reproduce_run(args: argparse.Namespace) -> int:
+    from forgeline.flows.pipeline import reproduce_flow
+    from forgeline.tasks.reproduce import check_code_version, compare, output_overrides, recorded_run
+    from forgeline.tasks.tracking import dvc_hash
+
+    _, client = registry_client(args)
+    recorded = recorded_run(client, args.run_id)
+    check_code_version(recorded)
+    root = Path(args.out or Path("reproduce") / args.run_id).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text(recorded.config_yaml)
+    overrides = output_overrides(root)
+    tracking = [f"registry.tracking_uri={client.tracking_uri}"]
+    run_id, evaluation = reproduce_flow(config=str(root / "config.yaml"), overrides=overrides + tracking,
+                                        reproduces=args.run_id)
+    checks = compare(recorded, dvc_hash(root / "data"), evaluation.metrics, args.tolerance)
+    print(f"reproduced run {args.run_id} as {run_id} (outputs in {root}):")
+    for check in checks:
+        print(f"  {'same' if check.matches else 'DIFFERS':<7} {check.name}: recorded {check.recorded}, "
+              f"reproduced {check.reproduced}")
+    return 0 if all(check.matches for check in checks) else 1
+
+
+def deploy_flows(args: argparse.Namespace) -> int:
+    from forgeline.tasks.deploy import deploy
+
+    print(deploy(Path(args.prefect_file), Path(args.workdir), args.pool), end="")
+    return 0
+
+
 def run_lm_eval(lm_eval_args: list[str]) -> int:
     """lm-eval 0.4 has no plugin entry point for model classes: register ours, then hand its
     command line every argument. Offline by default like the rest of forgeline; the eval stage's
@@ -235,22 +372,24 @@ def run_lm_eval(lm_eval_args: list[str]) -> int:
     return 0
 
 
-def run_pipeline(config: str | None, overrides: list[str]) -> int:
+def run_pipeline(config: str | None, overrides: list[str], force: bool) -> int:
     from forgeline.flows.pipeline import pipeline_flow
 
-    result = pipeline_flow(config=config, overrides=overrides)
+    result = pipeline_flow(config=config, overrides=overrides, force=force)
     print(f"MLflow run: {result.run_id}")
     print(f"Registered model: {result.model_name} version {result.model_version}")
+    print(f"Promotion: {result.promotion}")
     print(f"Eval (chance-normalized, 0 = chance, 1 = best): overall {result.overall:.3f}")
     for name, score in result.dimensions.items():
         print(f"  {name}: {score:.3f}")
     return 0
 
 
-def run_stage(name: str, config: str | None, overrides: list[str]) -> int:
+def run_stage(name: str, config: str | None, overrides: list[str], upstream_run: str | None,
+              force: bool) -> int:
     from forgeline.flows.stages import STAGE_FLOWS
 
-    result = STAGE_FLOWS[name](config=config, overrides=overrides)
+    result = STAGE_FLOWS[name](config=config, overrides=overrides, upstream_run=upstream_run, force=force)
     print(f"{name}: {result}")
     return 0
 

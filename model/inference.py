@@ -67,37 +67,44 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
     once `stop(row, new_tokens)` is true. Prompts are cut to their last max_seq_len -
     max_new_tokens tokens."""
     device = next(model.parameters()).device
-    keep = model.args.max_seq_len - max_new_tokens
-    if keep < 1:
+    room = model.args.max_seq_len - max_new_tokens
+    if room < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in "
                          f"max_seq_len={model.args.max_seq_len}")
-    prompts = [p[-keep:] for p in prompts]
+    prompts = [p[-room:] for p in prompts]
     width = max(len(p) for p in prompts)
     tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
     cache = KVCache(model.args, len(prompts), width + max_new_tokens, device, next(model.parameters()).dtype)
     for row, prompt in enumerate(prompts):  # left-padded: every row's next token is at `width`
         tokens[row, width - len(prompt):] = torch.tensor(prompt, device=device)
         cache.valid[row, width - len(prompt):width] = True
-    logits = model(tokens, cache)[:, -1].float()  # (B, V)
+    logits = model.output(model.hidden_states(tokens, cache)[:, -1]).float()  # (B, V): last position only
     new: list[list[int]] = [[] for _ in prompts]
-    running = [True] * len(prompts)
+    active = list(range(len(prompts)))  # the rows still decoding, in cache order
     for step in range(max_new_tokens):
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
             chosen = torch.multinomial(probs, 1, generator=generator)[:, 0]
         else:
             chosen = logits.argmax(-1)
-        for row, token in enumerate(chosen.tolist()):
-            if not running[row]:
-                continue
-            if token == stop_token:
-                running[row] = False
-                continue
-            new[row].append(token)
-            if stop is not None and stop(row, new[row]):
-                running[row] = False
-        if not any(running) or step == max_new_tokens - 1:
+        keep = [position for position, (row, token) in enumerate(zip(active, chosen.tolist(), strict=True))
+                if _extend(new, row, token, stop_token, stop)]
+        if not keep or step == max_new_tokens - 1:
             break
+        if len(keep) < len(active):  # finished rows leave the batch: no compute spent on them
+            rows = torch.tensor(keep, device=device)
+            cache.select(rows)
+            chosen = chosen.index_select(0, rows)
+            active = [active[position] for position in keep]
         cache.valid[:, width + step] = True
-        logits = model(chosen[:, None], cache)[:, -1].float()
+        logits = model.output(model.hidden_states(chosen[:, None], cache)[:, -1]).float()
     return new
+
+
+def _extend(new: list[list[int]], row: int, token: int, stop_token: int | None,
+            stop: Callable[[int, list[int]], bool] | None) -> bool:
+    """Append `token` to the row's output; whether the row goes on decoding."""
+    if token == stop_token:
+        return False
+    new[row].append(token)
+    return stop is None or not stop(row, new[row])

@@ -201,6 +201,13 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """With `cache`, `tokens` continue the positions it holds (incremental decoding)."""
+        h = self.hidden_states(tokens, cache)
+        return self.output(h) if self.output is not None else h  # (B, T, V)
+
+    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """(B, T, C) states after the final norm: what `output` turns into logits. Inference
+        that needs the logits of a few positions projects only those (the vocabulary projection
+        is a large share of a small model's compute)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, C)
         T = h.size(1)
         rope = self.rope
@@ -211,8 +218,7 @@ class Transformer(nn.Module):
             h = layer(h, rope, cache=cache, layer=key)
         if cache is not None:
             cache.end(T)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h  # (B, T, V)
+        return self.norm(h) if self.norm is not None else h
 
     @torch.no_grad()
     def init_buffers(self) -> None:

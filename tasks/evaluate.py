@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import lm_eval
@@ -54,8 +55,8 @@ class EvalResult:
 
 
 def plan_tasks(ecfg: EvalConfig) -> dict[str, tuple[list[TaskScore], DimensionConfig]]:
-    """The registered tasks each configured dimension runs; unknown names fail here, before
-    any model is loaded."""
+    """The registered tasks each configured dimension runs (with task_source=hub, lm-eval's
+    standard task where there is one); unknown names fail here, before any model is loaded."""
     plan = {}
     for name, dcfg in ecfg.dimensions.items():
         registered = {score.task: score for score in DIMENSIONS[name]}
@@ -64,8 +65,21 @@ def plan_tasks(ecfg: EvalConfig) -> dict[str, tuple[list[TaskScore], DimensionCo
         if unknown:
             raise ValueError(f"eval.dimensions.{name}.tasks: {unknown} are not {name} tasks; "
                              f"available: {sorted(registered)}")
-        plan[name] = ([registered[task] for task in wanted], dcfg)
+        scores = [registered[task] for task in wanted]
+        if ecfg.task_source == "hub":
+            scores = [replace(s, task=s.hub_task) if s.hub_task else s for s in scores]
+        plan[name] = (scores, dcfg)
     return plan
+
+
+def check_task_source(ecfg: EvalConfig) -> None:
+    """Hub tasks need the Hub: refuse before any work rather than time out in lm-eval."""
+    offline = [var for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+               if os.environ.get(var, "").lower() in ("1", "true", "yes", "on")]
+    if ecfg.task_source == "hub" and offline:
+        raise ValueError(f"eval.task_source=hub reads benchmark data from the Hugging Face Hub, but "
+                         f"{' and '.join(offline)} is set; run with {' '.join(v + '=0' for v in offline)} "
+                         f"or use eval.task_source=packaged")
 
 
 def evaluate_model(cfg: Config) -> EvalResult:

@@ -27,14 +27,14 @@ from forgeline.tasks.train import TrainResult
 
 
 @task(name="data", cache_policy=NO_CACHE)
-def data_task(cfg: Config, parent_run_id: str | None = None) -> DataResult:
-    return run_data_stage(cfg, parent_run_id)
+def data_task(cfg: Config, parent_run_id: str | None = None, force: bool = False) -> DataResult:
+    return run_data_stage(cfg, parent_run_id, force)
 
 
 @task(name="train", cache_policy=NO_CACHE)
-def train_task(cfg: Config, parent_run_id: str | None = None) -> TrainResult:
+def train_task(cfg: Config, parent_run_id: str | None = None, force: bool = False) -> TrainResult:
     # The task run id is the same for every retry: each attempt resumes into one MLflow run.
-    return run_train_stage(cfg, parent_run_id, run_key=str(task_run.id))
+    return run_train_stage(cfg, parent_run_id, run_key=str(task_run.id), force=force)
 
 
 def retrying_train_task(cfg: Config) -> Task:
@@ -52,13 +52,13 @@ def _not_unstable(task: Task, task_run: TaskRun, state: State) -> bool:
 
 
 @task(name="eval", cache_policy=NO_CACHE)
-def eval_task(cfg: Config, parent_run_id: str | None = None) -> EvalResult:
-    result = run_eval_stage(cfg, parent_run_id)
+def eval_task(cfg: Config, parent_run_id: str | None = None, force: bool = False) -> EvalResult:
+    result = run_eval_stage(cfg, parent_run_id, force)
     create_markdown_artifact(markdown=result.markdown(), key="forgeline-eval",
                              description="Chance-normalized scores per capability dimension")
     return result
 
 
 @task(name="register", cache_policy=NO_CACHE)
-def register_task(cfg: Config, parent_run_id: str | None = None) -> RegisterResult:
-    return run_register_stage(cfg, parent_run_id)
+def register_task(cfg: Config, parent_run_id: str | None = None, force: bool = False) -> RegisterResult:
+    return run_register_stage(cfg, parent_run_id, force)

@@ -1,5 +1,7 @@
-"""Register stage: log the trained model to MLflow as a pyfunc text generator and register
-it as a new version of `registry.model_name`, tagged with its lineage and eval scores.
+"""Register stage: export the trained model as a Hugging Face Llama directory, log it to MLflow
+as a pyfunc text generator over that export (what `mlflow models serve` and
+`mlflow.pyfunc.load_model` load) and register it as a new version of `registry.model_name`,
+tagged with its lineage and eval scores.
 
 Output (`registry.out_dir`): `registered.json` (run id, model name, version, model URI).
 """
@@ -16,13 +18,15 @@ from typing import Any
 
 import mlflow
 import pandas as pd
+import torch
 from mlflow import MlflowClient
 from mlflow.models.signature import ModelSignature
 from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forgeline.configs import Config
-from forgeline.model.inference import generate, load_bundle, load_from_checkpoint, save_bundle
+from forgeline.model.hf import export_hf
+from forgeline.model.inference import load_from_checkpoint
 from forgeline.tasks.atomic import write_text_atomic
 from forgeline.tasks.tracking import RunTracker
 
@@ -32,24 +36,29 @@ REGISTERED_NAME = "registered.json"
 CANDIDATE_ALIAS = "candidate"
 
 
-class ForgelineGenerator(mlflow.pyfunc.PythonModel):
-    """Prompts in, generated continuations out (`mlflow models serve`, `pyfunc.load_model`)."""
+class HFGenerator(mlflow.pyfunc.PythonModel):
+    """Prompts in, generated continuations out, by transformers' generate on the Hugging Face
+    export (`mlflow models serve`, `pyfunc.load_model`)."""
 
     def load_context(self, context: Any) -> None:
-        self.model = load_bundle(context.artifacts["bundle"])
-        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(context.artifacts["tokenizer"])
+        self.model = AutoModelForCausalLM.from_pretrained(context.artifacts["hf"]).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(context.artifacts["hf"])
 
     # No type hints on predict: MLflow would derive a schema from them; SIGNATURE below is the
     # contract (a DataFrame with a `prompt` column, params max_new_tokens and temperature).
     def predict(self, context, model_input, params=None):
         params = params or {}
+        temperature = float(params.get("temperature", 0.0))
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else \
+            {"do_sample": False}
+        eos, max_new_tokens = self.tokenizer.eos_token_id, int(params.get("max_new_tokens", 64))
         outputs = []
         for prompt in model_input["prompt"]:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False) or [self.tokenizer.eos_token_id]
-            new = generate(self.model, ids, max_new_tokens=int(params.get("max_new_tokens", 64)),
-                           temperature=float(params.get("temperature", 0.0)),
-                           stop_token=self.tokenizer.eos_token_id)
-            outputs.append(self.tokenizer.decode(new))
+            ids = torch.tensor([self.tokenizer.encode(prompt, add_special_tokens=False) or [eos]])
+            with torch.no_grad():
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=eos,
+                                          pad_token_id=eos, max_new_tokens=max_new_tokens, **sampling)
+            outputs.append(self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
         return outputs
 
 
@@ -67,21 +76,22 @@ class RegisterResult:
     model_name: str
     version: str
     model_uri: str
+    promotion: str = ""  # the promotion gate's decision, in words
 
 
 def register_model(cfg: Config, run: RunTracker, checkpoint: str, tokenizer_dir: str,
                    version_tags: dict[str, str]) -> RegisterResult:
-    """Export the checkpoint's weights, log them under `run` and register a model version."""
+    """Export the checkpoint as a Hugging Face model, log it under `run` and register a model
+    version."""
     model = load_from_checkpoint(checkpoint)
     mlflow.set_tracking_uri(run.client.tracking_uri)
     with tempfile.TemporaryDirectory() as scratch:
-        bundle = Path(scratch) / "bundle"
-        save_bundle(model, bundle)
+        hf_dir = export_hf(model, tokenizer_dir, Path(scratch) / "hf")
         with mlflow.start_run(run_id=run.run_id, nested=True):
             info = mlflow.pyfunc.log_model(
                 name="model",
-                python_model=ForgelineGenerator(),
-                artifacts={"bundle": str(bundle), "tokenizer": tokenizer_dir},
+                python_model=HFGenerator(),
+                artifacts={"hf": str(hf_dir)},
                 signature=SIGNATURE,
                 input_example=pd.DataFrame({"prompt": ["ROMEO:"]}),
                 pip_requirements=[f"{name}=={package_version(name)}" for name in

@@ -6,8 +6,10 @@ active-run stack), so stages can run in Prefect's worker threads and in torchrun
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -17,12 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from dvc_data.hashfile.build import build
 from dvc_data.hashfile.db import HashFileDB
 from dvc_objects.fs.local import LocalFileSystem
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
+from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from forgeline.configs import Config
@@ -33,6 +37,26 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 RUN_KEY_TAG = "forgeline.run_key"  # identifies the work a run records, across retries
 ATTEMPT_TAG = "forgeline.attempts"
 MAX_PARAMS_PER_BATCH = 100
+SYSTEM_METRICS_INTERVAL_S = 5
+REDACTED = "***"
+# Keys whose last part names a credential (`hf_token`, `ops.webhook_url`); a URL's password
+# (scheme://user:PASSWORD@host) is one wherever it appears.
+SECRET_KEY = re.compile(r"(?:\w+_)?(?:token|password|passwd|secret|secret_key|webhook|webhook_url|"
+                        r"api_key|credentials?)", re.IGNORECASE)
+URL_PASSWORD = re.compile(r"(?<=://)([^/@:\s]+):([^/@\s]+)@")
+
+
+def redact(key: str, value: Any) -> Any:
+    """`value` with any credential in it replaced, so that no secret lands in MLflow."""
+    if isinstance(value, dict):
+        return {k: redact(k, v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(key, v) for v in value]
+    if SECRET_KEY.fullmatch(re.split(r"[./]", key)[-1]) and value not in (None, ""):
+        return REDACTED
+    if isinstance(value, str):
+        return URL_PASSWORD.sub(rf"\1:{REDACTED}@", value)
+    return value
 
 
 def resolve_tracking_uri(cfg: Config) -> str:
@@ -50,8 +74,13 @@ def resolve_artifact_location(location: str) -> str:
     return location if "://" in location else Path(location).resolve().as_uri()
 
 
-def git_info(cwd: str | Path = ".") -> dict[str, str]:
-    """Commit and dirty flag of the working tree, or 'unknown' outside a git checkout."""
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the checkout of an editable install
+
+
+def git_info(cwd: str | Path = PACKAGE_ROOT) -> dict[str, str]:
+    """Commit and dirty flag of the checkout forgeline runs from, and with uncommitted changes
+    the sha256 of their diff: together the code version. 'unknown' when forgeline is not
+    installed from a git checkout."""
     def git(*args: str) -> str | None:
         try:
             done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30)
@@ -63,7 +92,10 @@ def git_info(cwd: str | Path = ".") -> dict[str, str]:
     if commit is None:
         return {"git.commit": "unknown", "git.dirty": "unknown"}
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"git.commit": commit, "git.dirty": str(bool(status)).lower()}
+    info = {"git.commit": commit, "git.dirty": str(bool(status)).lower()}
+    if status:
+        info["git.diff_sha256"] = hashlib.sha256((git("diff", "HEAD") or "").encode()).hexdigest()
+    return info
 
 
 @dataclass
@@ -82,13 +114,20 @@ class RunTracker:
         ])
 
     def log_params(self, params: dict[str, Any]) -> None:
-        items = [Param(k, str(v)) for k, v in params.items()]
+        items = [Param(k, str(redact(k, v))) for k, v in params.items()]
         for start in range(0, len(items), MAX_PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=items[start:start + MAX_PARAMS_PER_BATCH])
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         if tags:
-            self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+            self.client.log_batch(self.run_id, tags=[RunTag(k, str(redact(k, v))) for k, v in tags.items()])
+
+    def log_dataset(self, name: str, path: str | Path, digest: str, context: str) -> None:
+        """An input dataset of the run, identified by its DVC hash (the digest MLflow shows)."""
+        source = Path(path).resolve().as_uri()
+        dataset = Dataset(name=name, digest=digest, source_type="local", source=source)
+        self.client.log_inputs(self.run_id, datasets=[
+            DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])])
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         path = Path(path)
@@ -131,7 +170,11 @@ def tracked_run(cfg: Config, name: str, parent_run_id: str | None = None,
         tracker = RunTracker(client, run.info.run_id)
         if not parent_run_id:
             tracker.log_params(cfg.flat())
-            tracker.set_tags(git_info())
+            tracker.set_tags(git_info() | run_context_tags(cfg))
+            client.log_text(tracker.run_id, yaml.safe_dump(redact("", cfg.model_dump(mode="json")),
+                                                           sort_keys=False), "config.yaml")
+            if Path(DVC_LOCK).is_file():
+                tracker.log_artifact(DVC_LOCK)
         attempt = 1
     else:
         tracker = RunTracker(client, run.info.run_id)
@@ -139,13 +182,40 @@ def tracked_run(cfg: Config, name: str, parent_run_id: str | None = None,
         client.update_run(tracker.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
     tracker.set_tags({ATTEMPT_TAG: attempt})
     log.info("MLflow run %s (%s, attempt %d) in %s", tracker.run_id, name, attempt, client.tracking_uri)
+    # CPU, memory, disk and network (and GPU when there is one) of the work, not of the waiting
+    # parent: sampled for stage runs only.
+    monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S,
+                                   resume_logging=attempt > 1,
+                                   tracking_uri=client.tracking_uri) if parent_run_id else None
+    if monitor:
+        monitor.start()
     try:
         yield tracker
     except BaseException as err:
         tracker.set_tags({f"forgeline.attempt.{attempt}.error": f"{type(err).__name__}: {err}"[:5000]})
         client.set_terminated(tracker.run_id, RunStatus.to_string(RunStatus.FAILED))
         raise
+    finally:
+        if monitor:
+            monitor.finish()
     client.set_terminated(tracker.run_id, RunStatus.to_string(RunStatus.FINISHED))
+
+
+DVC_LOCK = "dvc.lock"
+
+
+def run_context_tags(cfg: Config) -> dict[str, str]:
+    """The parallel layout and, when the run starts in a DVC repository, the output hashes its
+    dvc.lock records (`dvc.lock.<stage>` -> md5 of each out)."""
+    par = cfg.parallel
+    tags = {"forgeline.layout": f"pp{par.pp} x dp_replicate{par.dp_replicate} x dp_shard{par.dp_shard} "
+                                f"x tp{par.tp} = {par.world_size} ranks on {par.nnodes} node(s)"}
+    if Path(DVC_LOCK).is_file():
+        lock = yaml.safe_load(Path(DVC_LOCK).read_text()) or {}
+        for stage, entry in lock.get("stages", {}).items():
+            for out in entry.get("outs", []):
+                tags[f"dvc.lock.{stage}.{out['path']}"] = out.get("md5", "")
+    return tags
 
 
 def _run_with_key(client: MlflowClient, experiment: str, run_key: str):

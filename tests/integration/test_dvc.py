@@ -1,6 +1,8 @@
 """`dvc repro` of dvc.yaml in a fresh copy of this repository, on the debug sizes: every stage
-runs once, `dvc status` is then clean, and a change that touches only eval reruns eval (and
-register only when the scores moved)."""
+runs once, `dvc status` is then clean, the outputs go to the default (local) remote and to an
+S3 remote (a real moto server on 127.0.0.1) and come back, `dvc plots` shows the loss curve, a
+change that touches only eval reruns eval (and register only when the scores moved), and
+`dvc exp run -S` of a config value is an experiment `dvc metrics diff` compares."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from forgeline.tasks.tracking import dvc_hash
 from tests.conftest import REPO_ROOT
+from tests.integration.conftest import make_bucket
 from tests.integration.helpers import VENV_BIN, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
@@ -33,10 +37,15 @@ def fresh_repo(dest: Path) -> Path:
             shutil.copy2(REPO_ROOT / name, dest / name)
     debug = yaml.safe_load((dest / "configs" / "debug.yaml").read_text())
     (dest / "configs" / "tiny.yaml").write_text(yaml.safe_dump(debug, sort_keys=False))
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "fresh"]):
-        subprocess.run(cmd, cwd=dest, check=True)
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    commit(dest, "fresh")
     return dest
+
+
+def commit(repo: Path, message: str) -> None:
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message], cwd=repo,
+                   check=True)
 
 
 def find_key(tree: object, key: str) -> object:
@@ -54,14 +63,19 @@ def stages_run(repro_output: str) -> list[str]:
     return [line.split("'")[1] for line in repro_output.splitlines() if line.startswith("Running stage")]
 
 
-def set_dimension(repo: Path, dimension: str, **values: object) -> None:
-    path = repo / "configs" / "tiny.yaml"
-    cfg = yaml.safe_load(path.read_text())
-    cfg["eval"]["dimensions"][dimension].update(values)
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+def round_trip(repo: Path, *remote: str) -> None:
+    """Push the outputs, lose them and the cache, pull them back: the same bytes."""
+    outputs = [repo / "artifacts" / name for name in ("data", "train")]
+    before = [dvc_hash(out) for out in outputs]
+    run([DVC, "push", *remote], repo)
+    for path in [*outputs, repo / ".dvc" / "cache"]:
+        shutil.rmtree(path)
+    run([DVC, "pull", *remote], repo)
+    assert [dvc_hash(out) for out in outputs] == before
+    assert "up to date" in run([DVC, "status"], repo).stdout
 
 
-def test_dvc_repro_runs_the_pipeline_and_reruns_only_what_changed(tmp_path: Path) -> None:
+def test_dvc_repro_runs_the_pipeline_and_reruns_only_what_changed(tmp_path: Path, s3_endpoint: str) -> None:
     repo = fresh_repo(tmp_path)
     first = run([DVC, "repro"], repo)
     assert stages_run(first.stdout) == ["data", "train", "eval", "register"]
@@ -78,6 +92,22 @@ def test_dvc_repro_runs_the_pipeline_and_reruns_only_what_changed(tmp_path: Path
     shown = json.loads(run([DVC, "metrics", "show", "--json"], repo).stdout)
     assert find_key(shown, "overall") == pytest.approx(metrics["overall"])
 
+    commit(repo, "first run")
+
+    # Remotes: the default local one (dvc-storage/), then S3.
+    round_trip(repo)
+    assert (repo / "dvc-storage" / "files" / "md5").is_dir()
+    make_bucket("dvc")
+    run([DVC, "remote", "add", "s3", "s3://dvc/forgeline"], repo)
+    run([DVC, "remote", "modify", "s3", "endpointurl", s3_endpoint], repo)
+    round_trip(repo, "-r", "s3")
+
+    # The loss curve, one point per step.
+    plots = json.loads(run([DVC, "plots", "show", "--json"], repo).stdout)["data"]
+    assert plots["artifacts/eval/dimensions.png"][0]["type"] == "image"
+    [curve] = plots["artifacts/train/loss.csv"]
+    assert {int(point["step"]) for point in find_key(curve["content"], "values")} == set(range(1, 21))
+
     # A change to the eval code that leaves the scores as they were: only eval reruns.
     with open(repo / "eval" / "lm.py", "a") as f:
         f.write("\n# touched by the test\n")
@@ -85,11 +115,13 @@ def test_dvc_repro_runs_the_pipeline_and_reruns_only_what_changed(tmp_path: Path
     assert stages_run(second.stdout) == ["eval"]
     assert "Stage 'data' didn't change" in second.stdout and "Stage 'train' didn't change" in second.stdout
 
-    # More items change the scores: eval reruns and register records the new scores.
-    set_dimension(repo, "reasoning", limit=5)
-    third = run([DVC, "repro"], repo)
+    # An experiment with more items changes the scores: eval reruns, register records them.
+    third = run([DVC, "exp", "run", "-S", "configs/tiny.yaml:eval.dimensions.reasoning.limit=5"], repo)
     assert stages_run(third.stdout) == ["eval", "register"]
     assert "up to date" in run([DVC, "status"], repo).stdout
+    diff = json.loads(run([DVC, "metrics", "diff", "--json"], repo).stdout)  # against the first run
+    changed = diff["artifacts/eval/metrics.json"]
+    assert changed and all(entry["old"] != entry["new"] for entry in changed.values()), diff
 
 
 @pytest.mark.slow

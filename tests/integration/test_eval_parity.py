@@ -4,6 +4,9 @@ choices and metrics, log-likelihoods within float tolerance."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import lm_eval
@@ -64,3 +67,17 @@ def test_forgeline_and_hf_backends_agree_item_by_item(exported: Path, data_root:
             else:  # rolling log-likelihood of a document
                 assert a == pytest.approx(b, rel=1e-5)
         assert numbers(ours["results"][task]) == pytest.approx(numbers(theirs["results"][task]), rel=1e-5)
+
+
+def test_lm_evals_own_command_line_runs_the_forgeline_class(exported: Path, data_root: Path,
+                                                             tmp_path: Path) -> None:
+    suite = render_suite(tmp_path / "tasks", data_root / "data")
+    subprocess.run([sys.executable, "-m", "forgeline.flows.cli", "lm-eval", "run", "--model", "forgeline",
+                    "--model_args", f"hf={exported},tokenizer={exported}", "--batch_size", "4",
+                    "--tasks", "forgeline_arc_easy", "--include_path", str(suite), "--limit", "5",
+                    "--output_path", str(tmp_path / "out")], check=True, cwd=tmp_path, timeout=600)
+    (results_file,) = (tmp_path / "out").rglob("results_*.json")
+    results = json.loads(results_file.read_text())
+    assert results["config"]["model"] == "forgeline"
+    assert results["n-samples"]["forgeline_arc_easy"]["effective"] == 5
+    assert 0 <= results["results"]["forgeline_arc_easy"]["acc_norm,none"] <= 1

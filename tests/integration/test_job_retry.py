@@ -27,7 +27,8 @@ def test_failed_job_is_retried_into_the_same_mlflow_run(data_root: Path, tmp_pat
         tmp_path)
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    [train_run] = client.search_runs([client.get_experiment_by_name("forgeline-debug").experiment_id])
+    [train_run] = client.search_runs([client.get_experiment_by_name("forgeline-debug").experiment_id],
+                                     filter_string="attributes.run_name = 'train'")
     tags = train_run.data.tags
     assert train_run.info.status == "FINISHED" and tags["forgeline.attempts"] == "2"
     assert tags["forgeline.attempt.1.error"].startswith("LaunchError")

@@ -39,6 +39,14 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     assert parent.data.tags["forgeline.data.dvc_md5"] == dvc_hash(data_dir)
     assert parent.data.tags["git.commit"]
     assert parent.data.tags["prefect.flow_run_id"]
+    assert parent.data.tags["forgeline.layout"] == \
+        "pp1 x dp_replicate1 x dp_shard1 x tp1 = 1 ranks on 1 node(s)"
+    assert parent.data.tags["forgeline.checkpoint_uri"].startswith("file://")
+    [dataset] = parent.inputs.dataset_inputs
+    assert dataset.dataset.digest == dvc_hash(data_dir) and dataset.dataset.name == "forgeline-data"
+    parent_artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"config.yaml", "train", "eval"} <= parent_artifacts
+    assert "train/loss.png" in {a.path for a in client.list_artifacts(run_id, "train")}
     assert parent.data.metrics["train/final_loss"] > 0
     children = client.search_runs([parent.info.experiment_id],
                                   filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
@@ -50,6 +58,7 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     eval_metrics = by_name["eval"].data.metrics
     assert 0 <= eval_metrics["forgeline_arc_easy/acc"] <= 1
     assert eval_metrics["forgeline_heldout/bits_per_byte"] > 0
+    assert any(k.startswith("system/cpu_utilization_percentage") for k in by_name["train"].data.metrics)
     dimensions = {"reasoning", "knowledge", "math", "code", "safety", "language_modeling"}
     assert {k.split("/")[1] for k in eval_metrics if k.startswith("dimension/")} == dimensions
     assert "overall" in eval_metrics and "eval/overall" in parent.data.metrics
@@ -61,6 +70,7 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     assert version.tags["forgeline.data.dvc_md5"] == dvc_hash(data_dir)
     assert float(version.tags["eval.overall"]) == pytest.approx(eval_metrics["overall"], abs=1e-5)
     assert str(client.get_model_version_by_alias("forgeline-debug", "candidate").version) == "1"
+    assert str(client.get_model_version_by_alias("forgeline-debug", "champion").version) == "1"
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     generator = mlflow.pyfunc.load_model("models:/forgeline-debug/1")
     [text] = generator.predict(pd.DataFrame({"prompt": ["ROMEO:"]}), params={"max_new_tokens": 8})
@@ -78,3 +88,12 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     assert flow_run["id"] == parent.data.tags["prefect.flow_run_id"]
     assert flow_run["flow"] == "forgeline-pipeline" and flow_run["state"] == "COMPLETED"
     assert flow_run["tasks"] == sorted([name, "COMPLETED"] for name in ("data", "train", "eval", "register"))
+
+    # A second run with nothing changed skips every stage and registers no new version.
+    again = run([str(VENV_BIN / "forgeline"), "run", "--config", "debug.yaml"], tmp_path)
+    second_id = re.search(r"MLflow run: (\w+)", again.stdout).group(1)
+    assert "Registered model: forgeline-debug version 1" in again.stdout
+    second = client.search_runs([parent.info.experiment_id],
+                                filter_string=f"tags.mlflow.parentRunId = '{second_id}'")
+    assert {c.info.run_name: c.data.tags["forgeline.cache"] for c in second} == dict.fromkeys(by_name, "hit")
+    assert {c.data.tags["forgeline.cache.source_run"] for c in second} == {c.info.run_id for c in children}

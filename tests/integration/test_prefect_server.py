@@ -3,54 +3,14 @@ server): the flow run and its task run are recorded by that server."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.integration.helpers import VENV_BIN, run, user_env
+from tests.integration.helpers import VENV_BIN, run
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture
-def prefect_server(tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    log = open(tmp_path / "prefect-server.log", "w")
-    server = subprocess.Popen(
-        [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port),
-         "--no-ui", "--analytics-off"],
-        env=user_env(tmp_path), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert server.poll() is None, (tmp_path / "prefect-server.log").read_text()
-        assert time.monotonic() < deadline, "prefect server did not become healthy"
-        time.sleep(1)
-    try:
-        yield url
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
-        log.close()
 
 
 def test_stage_runs_against_the_server_in_prefect_api_url(tmp_path: Path, prefect_server: str,

@@ -6,37 +6,23 @@ from __future__ import annotations
 
 import logging
 import shutil
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
-import boto3
 import fsspec
 import pytest
-from moto.server import ThreadedMotoServer
 
 from forgeline.model.checkpoint import MANIFEST_NAME
 from forgeline.tasks.train import train_model
 from tests.conftest import debug_config
+from tests.integration.conftest import make_bucket
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def s3_url(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}.items():
-        monkeypatch.setenv(key, value)  # the training ranks inherit these
-    boto3.client("s3").create_bucket(Bucket="checkpoints")
-    try:
-        yield "s3://checkpoints/runs/debug"
-    finally:
-        server.stop()
+def s3_url(s3_endpoint: str) -> str:
+    make_bucket("checkpoints")
+    return "s3://checkpoints/runs/debug"
 
 
 @pytest.mark.parametrize("tier", ["s3", "file"])

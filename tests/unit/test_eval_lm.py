@@ -88,8 +88,12 @@ def test_exactly_one_model_source_is_required(data_root: Path) -> None:
 
 
 def test_a_shared_context_is_computed_once(lm: ForgelineLM) -> None:
-    tokens: list[int] = []
-    hook = lm.model.register_forward_hook(lambda module, args, out: tokens.append(args[0].numel()))
+    tokens: list[int] = []  # tokens embedded per forward
+
+    def count(module, args, out) -> None:
+        tokens.append(args[0].numel())
+
+    hook = lm.model.tok_embeddings.register_forward_hook(count)
     try:
         # Four one-token answers to one question: the context is the only input.
         context = lm.tok_encode("Question: who is the Prince of Denmark? Answer:")

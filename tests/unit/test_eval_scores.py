@@ -1,10 +1,17 @@
 """Scoring: chance normalization, dimension and overall aggregation, the task plan."""
 
-import pytest
+from pathlib import Path
 
+import lm_eval
+import pytest
+import yaml
+from lm_eval.tasks import TaskManager
+from lm_eval.tasks._yaml_loader import load_yaml  # reads `!function` tags unresolved
+
+import forgeline.eval
 from forgeline.configs import load_config
 from forgeline.eval.dimensions import DIMENSIONS, TaskScore
-from forgeline.tasks.evaluate import aggregate, flatten_scores, normalized, plan_tasks
+from forgeline.tasks.evaluate import aggregate, check_task_source, flatten_scores, normalized, plan_tasks
 
 ACC = TaskScore(task="mc", metric="acc", chance=0.25, best=1.0)
 BPB = TaskScore(task="lm", metric="bits_per_byte", chance=8.0, best=0.0)
@@ -46,3 +53,38 @@ def test_a_task_outside_its_dimension_is_refused_before_any_work() -> None:
     expected = r"eval.dimensions.math.tasks: \['forgeline_arc_easy'\] are not math tasks"
     with pytest.raises(ValueError, match=expected):
         plan_tasks(cfg.eval)
+
+
+def included_builtin_task(task: str) -> str | None:
+    """The `task:` of the lm-eval file a packaged task YAML includes (None for a template)."""
+    suite = Path(forgeline.eval.__file__).parent / "tasks"
+    include = yaml.safe_load((suite / f"{task}.yaml").read_text())["include"]
+    builtin = Path(lm_eval.__file__).parent / "tasks" / include.removeprefix("${LM_EVAL_TASKS}/")
+    return load_yaml(builtin, resolve_func=False, recursive=False).get("task")
+
+
+def test_hub_source_runs_lm_evals_standard_task_of_the_same_benchmark() -> None:
+    packaged = plan_tasks(load_config("tiny.yaml").eval)
+    hub = plan_tasks(load_config("tiny.yaml", ["eval.task_source=hub"]).eval)
+    standard = set(TaskManager().all_tasks)
+    for name, (scores, _) in packaged.items():
+        for local, remote in zip(scores, hub[name][0], strict=True):
+            assert (remote.metric, remote.chance, remote.best) == (local.metric, local.chance, local.best)
+            if local.hub_task is None:  # held-out text, code and safety stay packaged
+                assert remote.task == local.task and name in ("code", "safety", "language_modeling")
+                continue
+            assert remote.task == local.hub_task and remote.task in standard
+            # The packaged task is the standard one pointed at local data: same prompt, same metric.
+            assert included_builtin_task(local.task) in (local.hub_task, None)
+
+
+def test_hub_source_is_refused_while_the_hub_is_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    hub = load_config("tiny.yaml", ["eval.task_source=hub"]).eval
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    with pytest.raises(ValueError, match="run with HF_HUB_OFFLINE=0 or use eval.task_source=packaged"):
+        check_task_source(hub)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    check_task_source(hub)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    check_task_source(load_config("tiny.yaml").eval)  # packaged needs nothing

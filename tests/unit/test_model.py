@@ -96,6 +96,16 @@ def test_batched_generation_of_uneven_prompts_matches_one_at_a_time() -> None:
         assert new == generate(model, prompt, max_new_tokens=6)
 
 
+def test_rows_that_stop_leave_the_batch_and_the_others_go_on_unchanged() -> None:
+    model = build().eval()
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13], [42], [5, 6]]
+    full = generate_batch(model, prompts, max_new_tokens=6)
+    stops_after = {0: 1, 2: 3}  # rows 0 and 2 finish early, at different steps
+    cut = generate_batch(model, prompts, max_new_tokens=6,
+                         stop=lambda row, new: len(new) == stops_after.get(row, -1))
+    assert cut == [full[0][:1], full[1], full[2][:3], full[3]]
+
+
 def test_sampling_is_reproducible_with_a_generator() -> None:
     model = build().eval()
     draw = lambda: generate(model, [1, 2], 8, temperature=1.0, generator=torch.Generator().manual_seed(3))  # noqa: E731

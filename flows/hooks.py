@@ -1,0 +1,41 @@
+"""What every forgeline flow shares: the Prefect lineage it records in MLflow and the hook that
+reports a failed flow run to the notification block named in its config."""
+
+from __future__ import annotations
+
+import logging
+
+from prefect import Flow
+from prefect.blocks.core import Block
+from prefect.client.schemas.objects import FlowRun, State
+from prefect.runtime import flow_run
+from prefect.settings import PREFECT_UI_URL
+
+from forgeline.configs import ConfigError, load_config
+
+log = logging.getLogger(__name__)
+
+
+def prefect_tags() -> dict[str, str]:
+    """MLflow tags that lead from a run back to the Prefect flow run that made it."""
+    tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_name": flow_run.name}
+    if PREFECT_UI_URL.value():  # none for a temporary API
+        tags["prefect.flow_run_url"] = flow_run.ui_url
+    if flow_run.parent_deployment_id:
+        tags["prefect.deployment_id"] = str(flow_run.parent_deployment_id)
+    return tags
+
+
+def notify_failure(flow: Flow, run: FlowRun, state: State) -> None:
+    """on_failure hook: post the failure to `ops.notify_block` of the run's config, if set."""
+    try:
+        cfg = load_config(run.parameters.get("config"), run.parameters.get("overrides") or [])
+    except ConfigError:
+        return  # the run failed on its config; there is no block name to read
+    if not cfg.ops.notify_block:
+        return
+    block = Block.load(cfg.ops.notify_block)
+    block.notify(subject=f"forgeline: {flow.name} run {run.name} failed",
+                 body=f"Flow run {run.name} ({run.id}) of {flow.name} ended {state.type.value}: "
+                      f"{state.message or 'no message'}")
+    log.info("reported the failure of %s to %s", run.name, cfg.ops.notify_block)

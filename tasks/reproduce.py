@@ -1,0 +1,83 @@
+"""Reproduce a recorded pipeline run: the same config (the run's `config.yaml` artifact), on the
+same code version (its git commit) and data version (its DVC hash), into fresh output
+directories; then say whether the data and every eval score came out the same."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from forgeline.tasks.stages import DATA_VERSION_TAG
+from forgeline.tasks.tracking import git_info
+
+REPRODUCES_TAG = "forgeline.reproduces"
+EVAL_PREFIX = "eval/"
+
+
+class ReproduceError(ValueError):
+    """The run cannot be reproduced here as recorded."""
+
+
+@dataclass(frozen=True)
+class Recorded:
+    run_id: str
+    config_yaml: str
+    code: dict[str, str]  # git.commit, git.dirty and, when dirty, git.diff_sha256
+    data_md5: str
+    scores: dict[str, float]  # "overall" and "dimension/<name>", as the eval stage logged them
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    recorded: str
+    reproduced: str
+    matches: bool
+
+
+def recorded_run(client: MlflowClient, run_id: str) -> Recorded:
+    run = client.get_run(run_id)
+    tags = run.data.tags
+    if "mlflow.parentRunId" in tags or "git.commit" not in tags or DATA_VERSION_TAG not in tags:
+        raise ReproduceError(f"run {run_id} is not a pipeline run with its lineage tags (git.commit, "
+                             f"{DATA_VERSION_TAG}): pass the parent run `forgeline run` printed")
+    if tags["git.commit"] == "unknown":
+        raise ReproduceError(f"run {run_id} did not record a code version (forgeline was not installed "
+                             "from a git checkout)")
+    with tempfile.TemporaryDirectory() as scratch:
+        config_yaml = Path(client.download_artifacts(run_id, "config.yaml", scratch)).read_text()
+    scores = {k.removeprefix(EVAL_PREFIX): v for k, v in run.data.metrics.items()
+              if k == "eval/overall" or k.startswith("eval/dimension/")}
+    code = {k: v for k, v in tags.items() if k in ("git.commit", "git.dirty", "git.diff_sha256")}
+    return Recorded(run_id, config_yaml, code, tags[DATA_VERSION_TAG], scores)
+
+
+def check_code_version(recorded: Recorded) -> None:
+    """This checkout must be the recorded code: the same commit, and the same uncommitted diff."""
+    here, commit = git_info(), recorded.code["git.commit"]
+    if here["git.commit"] != commit:
+        raise ReproduceError(f"run {recorded.run_id} ran commit {commit}; this checkout is at "
+                             f"{here['git.commit']}: `git checkout {commit}` (or a `git worktree add`) and "
+                             "reinstall, then reproduce from there")
+    if here.get("git.diff_sha256") != recorded.code.get("git.diff_sha256"):
+        raise ReproduceError(f"the uncommitted changes on top of {commit} differ from those run "
+                             f"{recorded.run_id} ran with (git diff HEAD sha256 "
+                             f"{recorded.code.get('git.diff_sha256', 'none: it was clean')})")
+
+
+def output_overrides(root: Path) -> list[str]:
+    return [f"{section}.out_dir={root / name}" for section, name in
+            (("data", "data"), ("train", "train"), ("eval", "eval"), ("registry", "register"))]
+
+
+def compare(recorded: Recorded, data_md5: str, scores: dict[str, float], tolerance: float) -> list[Check]:
+    checks = [Check("data version (DVC md5)", recorded.data_md5, data_md5, recorded.data_md5 == data_md5)]
+    for name, before in sorted(recorded.scores.items()):
+        after = scores.get(name)
+        same = after is not None and math.isclose(before, after, rel_tol=0, abs_tol=tolerance)
+        checks.append(Check(name, f"{before:.6g}", "-" if after is None else f"{after:.6g}", same))
+    return checks

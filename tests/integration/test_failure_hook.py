@@ -1,0 +1,57 @@
+"""A failed flow run posts to the notification block its config names: a real
+CustomWebhookNotificationBlock saved in a real (temporary) Prefect API, posting to an HTTP
+server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+from prefect.blocks.notifications import CustomWebhookNotificationBlock
+from prefect.testing.utilities import prefect_test_harness
+
+from forgeline.flows.stages import eval_flow
+from tests.conftest import output_overrides
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture
+def webhook() -> Iterator[tuple[str, list[dict]]]:
+    received: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/hook", received
+    finally:
+        server.shutdown()
+
+
+def test_a_failed_stage_flow_posts_to_the_configured_block(tmp_path: Path,
+                                                           webhook: tuple[str, list[dict]]) -> None:
+    url, received = webhook
+    with prefect_test_harness():
+        CustomWebhookNotificationBlock(name="forgeline", url=url, allow_private_urls=True,
+                                       json_data={"text": "{{subject}} | {{body}}"}).save("alerts")
+        # No train output under tmp_path: the eval stage fails.
+        overrides = [*output_overrides(tmp_path), "ops.notify_block=custom-webhook/alerts"]
+        with pytest.raises(FileNotFoundError):
+            eval_flow(config="debug.yaml", overrides=overrides)
+    [posted] = received
+    assert posted["text"].startswith("forgeline: forgeline-eval run ") and "failed" in posted["text"]
+    assert "FAILED" in posted["text"]

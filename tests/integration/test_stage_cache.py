@@ -1,0 +1,61 @@
+"""Stage caching on the data stage against a real MLflow store: a rerun with nothing changed is
+skipped and returns the earlier result; a changed config section, a modified output or --force
+makes it run again, and each decision is recorded on the stage's MLflow run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from forgeline.configs import Config
+from forgeline.tasks.cache import CACHE_SOURCE_TAG, CACHE_TAG, stamp_path
+from forgeline.tasks.stages import run_data_stage
+from forgeline.tasks.tracking import resolve_tracking_uri
+from tests.conftest import debug_config
+
+pytestmark = pytest.mark.integration
+
+
+def last_data_run(cfg: Config):
+    client = MlflowClient(resolve_tracking_uri(cfg))
+    experiment = client.get_experiment_by_name(cfg.registry.experiment).experiment_id
+    [latest] = client.search_runs([experiment], "attributes.run_name = 'data'", max_results=1,
+                                  order_by=["attributes.start_time DESC"])
+    return latest
+
+
+def small_corpus(root: Path) -> str:
+    """A data.sources override: 24 short text files, so that each data stage run takes seconds."""
+    (root / "corpus").mkdir()
+    for i in range(24):
+        (root / "corpus" / f"{i}.txt").write_text(f"Document {i}. " + "To be or not to be, that is "
+                                                  f"the question number {i}. " * 40)
+    return f"data.sources=[{{kind: files, path: '{root / 'corpus' / '*.txt'}'}}]"
+
+
+def test_the_data_stage_is_skipped_only_while_inputs_and_outputs_are_unchanged(tmp_path: Path) -> None:
+    corpus = small_corpus(tmp_path)
+    cfg = debug_config(tmp_path, corpus, "data.val_fraction=0.3")
+    first = run_data_stage(cfg)
+    first_run = last_data_run(cfg)
+    assert first_run.data.tags[CACHE_TAG] == "miss" and stamp_path("data", cfg).is_file()
+
+    assert run_data_stage(cfg) == first
+    hit = last_data_run(cfg)
+    assert hit.data.tags[CACHE_TAG] == "hit" and hit.data.tags[CACHE_SOURCE_TAG] == first_run.info.run_id
+
+    (Path(cfg.data.out_dir) / "val_docs.jsonl").write_text("edited by hand\n")
+    run_data_stage(cfg)
+    assert last_data_run(cfg).data.tags[f"{CACHE_TAG}.reason"].startswith("its output")
+    assert last_data_run(cfg).data.tags[CACHE_TAG] == "miss"
+
+    changed = debug_config(tmp_path, corpus, "data.val_fraction=0.4")
+    run_data_stage(changed)
+    assert last_data_run(cfg).data.tags[f"{CACHE_TAG}.reason"] == "changed: config"
+
+    run_data_stage(changed, force=True)
+    assert last_data_run(cfg).data.tags[f"{CACHE_TAG}.reason"] == "--force"
+    run_data_stage(changed)
+    assert last_data_run(cfg).data.tags[CACHE_TAG] == "hit"
