@@ -75,6 +75,7 @@ def round_trip(repo: Path, *remote: str) -> None:
     assert "up to date" in run([DVC, "status"], repo).stdout
 
 
+@pytest.mark.slow
 def test_dvc_repro_runs_the_pipeline_and_reruns_only_what_changed(tmp_path: Path, s3_endpoint: str) -> None:
     repo = fresh_repo(tmp_path)
     first = run([DVC, "repro"], repo)
