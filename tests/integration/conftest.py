@@ -2,54 +2,24 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
-import httpx
 import pytest
 from moto.server import ThreadedMotoServer
 
-from tests.integration.helpers import VENV_BIN, user_env
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.integration.helpers import VENV_BIN, free_port, serving, user_env
 
 
 @pytest.fixture
 def prefect_server(tmp_path: Path) -> Iterator[str]:
     port = free_port()
-    log = open(tmp_path / "prefect-server.log", "w")
-    server = subprocess.Popen(
-        [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port),
-         "--no-ui", "--analytics-off"],
-        env=user_env(tmp_path), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
     url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert server.poll() is None, (tmp_path / "prefect-server.log").read_text()
-        assert time.monotonic() < deadline, "prefect server did not become healthy"
-        time.sleep(1)
-    try:
+    cmd = [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port),
+           "--no-ui", "--analytics-off"]
+    with serving(cmd, user_env(tmp_path), tmp_path / "prefect-server.log", f"{url}/health"):
         yield url
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
-        log.close()
 
 
 @pytest.fixture

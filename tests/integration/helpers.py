@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import httpx
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -18,6 +25,39 @@ def user_env(workdir: Path) -> dict[str, str]:
     env["PREFECT_HOME"] = str(workdir / ".prefect")  # a fresh Prefect database per test
     env.pop("MLFLOW_TRACKING_URI", None)
     return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serving(cmd: list[str], env: dict[str, str], log_path: Path, health_url: str | None = None,
+            timeout: float = 180) -> Iterator[subprocess.Popen]:
+    """A long-running process (a server, a worker) in its own process group, logging to
+    `log_path`; with `health_url`, entered once that answers 200. Its whole group is stopped on
+    exit."""
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while health_url is not None and not _healthy(health_url):
+                assert process.poll() is None, f"{cmd[0]} exited:\n{log_path.read_text()[-8000:]}"
+                assert time.monotonic() < deadline, f"{health_url} not healthy after {timeout} s"
+                time.sleep(1)
+            yield process
+        finally:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=60)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def run(cmd: list[str], workdir: Path, timeout: float = 900) -> subprocess.CompletedProcess:

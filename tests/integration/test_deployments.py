@@ -6,9 +6,6 @@ that run wrote (in directories the eval config does not name)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +15,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import REPO_ROOT
-from tests.integration.helpers import VENV_BIN, run, user_env
+from tests.integration.helpers import VENV_BIN, run, serving, user_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.slow]
 
@@ -35,16 +32,9 @@ def worker(tmp_path: Path, prefect_server: str, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("PREFECT_API_URL", prefect_server)
     run([str(VENV_BIN / "forgeline"), "deploy", "--prefect-file", str(REPO_ROOT / "prefect.yaml"),
          "--workdir", str(workdir), "--pool", POOL], workdir)
-    log = open(tmp_path / "worker.log", "w")
-    process = subprocess.Popen(
-        [str(VENV_BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
-        env=user_env(workdir), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with serving([str(VENV_BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
+                 user_env(workdir), tmp_path / "worker.log"):
         yield workdir
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=60)
-        log.close()
 
 
 def run_deployment(api: str, name: str, parameters: dict, timeout: float = 900) -> dict:

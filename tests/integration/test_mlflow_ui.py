@@ -6,16 +6,11 @@ as artifacts/screenshots/mlflow-compare.png (ignored by git; CI can keep it)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
-import httpx
 import pytest
 from mlflow import MlflowClient
 from selenium import webdriver
@@ -23,8 +18,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.conftest import REPO_ROOT
-from tests.integration.conftest import free_port
-from tests.integration.helpers import VENV_BIN, run, user_env
+from tests.integration.helpers import VENV_BIN, free_port, run, serving, user_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.slow]
 
@@ -35,29 +29,12 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 @pytest.fixture
 def mlflow_server(tmp_path: Path) -> Iterator[str]:
     port = free_port()
-    log = open(tmp_path / "mlflow-server.log", "w")
-    server = subprocess.Popen(
-        [str(VENV_BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-         "--default-artifact-root", str(tmp_path / "mlartifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"],
-        env=user_env(tmp_path), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert server.poll() is None, (tmp_path / "mlflow-server.log").read_text()
-        assert time.monotonic() < deadline, "mlflow server did not become healthy"
-        time.sleep(1)
-    try:
+    cmd = [str(VENV_BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+           "--default-artifact-root", str(tmp_path / "mlartifacts"), "--host", "127.0.0.1",
+           "--port", str(port), "--workers", "1"]
+    with serving(cmd, user_env(tmp_path), tmp_path / "mlflow-server.log", f"{url}/health"):
         yield url
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
-        log.close()
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ on 127.0.0.1 and train one dp2 x tp2 job of 4 ranks, 2 per "node", writing one c
 
 from __future__ import annotations
 
-import socket
 import threading
 from pathlib import Path
 
@@ -12,14 +11,10 @@ import pytest
 from forgeline.model.checkpoint import read_checkpoint_manifest
 from forgeline.tasks.train import TrainResult, torchrun_command, train_model
 from tests.conftest import debug_config
+from tests.integration.helpers import free_port
 
 pytestmark = pytest.mark.integration
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_launchers_form_one_job(data_root: Path, tmp_path: Path) -> None:

@@ -7,10 +7,6 @@ the champion answering a generation request."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -25,8 +21,7 @@ from forgeline.tasks.stages import run_register_stage
 from forgeline.tasks.tracking import resolve_tracking_uri
 from forgeline.tasks.train import train_model
 from tests.conftest import debug_config
-from tests.integration.conftest import free_port
-from tests.integration.helpers import VENV_BIN, user_env
+from tests.integration.helpers import VENV_BIN, free_port, serving, user_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -90,28 +85,12 @@ def test_mlflow_models_serve_answers_a_generation_request(tmp_path: Path, data_r
     cfg, version = register_with_scores(tmp_path, data_root, "eval", 0.3, math=0.3)
     port = free_port()
     env = user_env(tmp_path) | {"MLFLOW_TRACKING_URI": resolve_tracking_uri(cfg)}
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(
-        [str(VENV_BIN / "mlflow"), "models", "serve", "-m", f"models:/{cfg.registry.model_name}@champion",
-         "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ping", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-            time.sleep(1)
+    cmd = [str(VENV_BIN / "mlflow"), "models", "serve", "-m", f"models:/{cfg.registry.model_name}@champion",
+           "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)]
+    with serving(cmd, env, tmp_path / "serve.log", f"http://127.0.0.1:{port}/ping"):
         answer = httpx.post(f"http://127.0.0.1:{port}/invocations", timeout=120, json={
             "dataframe_records": [{"prompt": "ROMEO:"}, {"prompt": "JULIET:"}],
             "params": {"max_new_tokens": 8}})
-        assert answer.status_code == 200, answer.text
-        predictions = answer.json()["predictions"]
-        assert len(predictions) == 2 and all(isinstance(text, str) and text for text in predictions)
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
-        log.close()
+    assert answer.status_code == 200, answer.text
+    predictions = answer.json()["predictions"]
+    assert len(predictions) == 2 and all(isinstance(text, str) and text for text in predictions)
