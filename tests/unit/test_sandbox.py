@@ -180,7 +180,9 @@ def test_it_runs_in_a_fresh_directory_that_is_removed(level: Isolation, tmp_path
 
 @needs_uid
 def test_files_outside_the_sandbox_cannot_be_written() -> None:
-    target = Path(__file__).parent / f"sandbox-escape-{uuid.uuid4().hex}.txt"  # in the root-owned repo
+    # A root-owned directory the sandbox sees (not the checkout: a clone under /tmp is hidden by
+    # the sandbox's private /tmp, and the write would fail for that reason instead).
+    target = Path("/usr/local") / f"sandbox-escape-{uuid.uuid4().hex}.txt"
     try:
         result = run_python(f"open({str(target)!r}, 'w').write('x')\n", FAST)
         assert not result.passed and "PermissionError" in result.stderr and not target.exists()
