@@ -36,3 +36,17 @@ def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("shared")
     build_dataset(debug_config(root))
     return root
+
+
+def random_lm(tokenizer: Path, bundle_dir: Path, max_seq_len: int, batch_size: int):
+    """A `forgeline` lm-eval model over a tiny randomly initialized model (fixed seed), loaded
+    from an inference bundle the way a user's would be."""
+    from forgeline.eval.lm import ForgelineLM  # lm-eval: imported by the tests that need it only
+    from forgeline.model.inference import save_bundle
+    from forgeline.model.llama import ModelArgs, Transformer
+
+    model = Transformer(ModelArgs(vocab_size=512, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                  ffn_dim=64, max_seq_len=max_seq_len))
+    model.init_weights(0)
+    save_bundle(model, bundle_dir)
+    return ForgelineLM(bundle=str(bundle_dir), tokenizer=str(tokenizer), batch_size=batch_size)

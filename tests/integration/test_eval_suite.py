@@ -13,16 +13,14 @@ from types import ModuleType
 
 import lm_eval
 import pytest
-import torch
 from lm_eval.tasks import TaskManager
 
 from forgeline.eval.dimensions import DIMENSIONS
 from forgeline.eval.lm import ForgelineLM
 from forgeline.eval.sandbox import isolation
 from forgeline.eval.suite import render_suite
-from forgeline.model.inference import save_bundle
-from forgeline.model.llama import ModelArgs, Transformer
 from forgeline.tasks.evaluate import flatten_scores
+from tests.conftest import random_lm
 
 pytestmark = pytest.mark.integration
 
@@ -47,15 +45,10 @@ def task_manager(suite: Path) -> TaskManager:
 
 @pytest.fixture(scope="module")
 def lm(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> ForgelineLM:
-    torch.manual_seed(0)
     # max_seq_len above the largest generation budget (256, code): generation keeps
     # max_seq_len - max_gen_toks tokens of the prompt.
-    model = Transformer(ModelArgs(vocab_size=512, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                  ffn_dim=64, max_seq_len=320))
-    model.init_weights(0)
-    bundle = tmp_path_factory.mktemp("bundle")
-    save_bundle(model, bundle)
-    return ForgelineLM(bundle=str(bundle), tokenizer=str(data_root / "data" / "tokenizer"), batch_size=8)
+    return random_lm(data_root / "data" / "tokenizer", tmp_path_factory.mktemp("bundle"), max_seq_len=320,
+                     batch_size=8)
 
 
 def helper(name: str) -> ModuleType:

@@ -7,19 +7,13 @@ from lm_eval.api.instance import Instance
 
 from forgeline.eval.lm import ForgelineLM
 from forgeline.model.hf import export_hf
-from forgeline.model.inference import save_bundle
-from forgeline.model.llama import ModelArgs, Transformer
+from tests.conftest import random_lm
 
 
 @pytest.fixture(scope="module")
 def lm(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> ForgelineLM:
-    torch.manual_seed(0)
-    model = Transformer(ModelArgs(vocab_size=512, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                  ffn_dim=64, max_seq_len=48))
-    model.init_weights(0)
-    bundle = tmp_path_factory.mktemp("bundle")
-    save_bundle(model, bundle)
-    return ForgelineLM(bundle=str(bundle), tokenizer=str(data_root / "data" / "tokenizer"), batch_size=4)
+    return random_lm(data_root / "data" / "tokenizer", tmp_path_factory.mktemp("bundle"), max_seq_len=48,
+                     batch_size=4)
 
 
 def request(kind: str, *args) -> Instance:
