@@ -10,6 +10,15 @@ from forgeline.model.hf import export_hf
 from tests.conftest import random_lm
 
 
+def one_at_a_time(lm: ForgelineLM, method, requests: list[Instance]) -> list:
+    """`method`'s answers with a batch size of 1 (the fixture's batch size restored after)."""
+    batch_size, lm.batch_size = lm.batch_size, 1
+    try:
+        return method(requests)
+    finally:
+        lm.batch_size = batch_size
+
+
 @pytest.fixture(scope="module")
 def lm(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> ForgelineLM:
     return random_lm(data_root / "data" / "tokenizer", tmp_path_factory.mktemp("bundle"), max_seq_len=48,
@@ -40,11 +49,7 @@ def test_scores_do_not_depend_on_batching(lm: ForgelineLM) -> None:
     requests = [request("loglikelihood", f"Question {i}: who is {'very ' * i}brave?", " Hal")
                 for i in range(9)]
     batched = lm.loglikelihood(requests)
-    lm.batch_size = 1
-    try:
-        single = lm.loglikelihood(requests)
-    finally:
-        lm.batch_size = 4
+    single = one_at_a_time(lm, lm.loglikelihood, requests)
     for (a, greedy_a), (b, greedy_b) in zip(batched, single, strict=True):
         assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
 
@@ -111,11 +116,7 @@ def test_batched_generation_matches_one_request_at_a_time(lm: ForgelineLM) -> No
     requests = [request("generate_until", prompt, settings) for prompt in
                 ("ROMEO:", "JULIET: O Romeo, Romeo,", "To be", "Enter HAMLET and HORATIO")]
     batched = lm.generate_until(requests)
-    lm.batch_size = 1
-    try:
-        single = lm.generate_until(requests)
-    finally:
-        lm.batch_size = 4
+    single = one_at_a_time(lm, lm.generate_until, requests)
     assert batched == single
 
 
