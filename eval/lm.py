@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerFast
 
 from forgeline.model.hf import import_hf
 from forgeline.model.inference import generate_batch, load_bundle, load_from_checkpoint
-from forgeline.model.llama import KVCache, Transformer
+from forgeline.model.llama import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +68,6 @@ class ForgelineLM(TemplateLM):
             model = load_bundle(bundle, device)
         else:
             model, _ = import_hf(hf, device=device)
-        self._init(model, tokenizer, batch_size, max_length, device)
-
-    @classmethod
-    def from_model(cls, model: Transformer, tokenizer: str | Path, batch_size: int = 16) -> ForgelineLM:
-        """Wrap a model already in memory (e.g. in-training evaluation)."""
-        lm = cls.__new__(cls)
-        lm._init(model.eval(), tokenizer, batch_size, None, str(next(model.parameters()).device))
-        return lm
-
-    def _init(self, model: Transformer, tokenizer: str | Path, batch_size: int | str,
-              max_length: int | None, device: str) -> None:
         super().__init__()
         self.model = model
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(Path(tokenizer)))

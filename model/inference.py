@@ -49,15 +49,6 @@ def load_bundle(bundle_dir: str | Path, device: torch.device | str = "cpu") -> T
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
-             stop_token: int | None = None, stop: Callable[[list[int]], bool] | None = None,
-             generator: torch.Generator | None = None) -> list[int]:
-    """One prompt's continuation; see generate_batch."""
-    row_stop = None if stop is None else (lambda row, new: stop(new))
-    return generate_batch(model, [prompt], max_new_tokens, temperature, stop_token, row_stop, generator)[0]
-
-
-@torch.no_grad()
 def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
                    temperature: float = 0.0, stop_token: int | None = None,
                    stop: Callable[[int, list[int]], bool] | None = None,

@@ -1,6 +1,6 @@
 import torch
 
-from forgeline.model.inference import generate, generate_batch
+from forgeline.model.inference import generate_batch
 from forgeline.model.llama import KVCache, ModelArgs, Transformer
 from forgeline.model.metrics import straggler
 
@@ -48,12 +48,17 @@ def test_grouped_query_attention_has_fewer_kv_weights() -> None:
     assert attention.wk.weight.shape == (16, 32)  # 2 kv heads of dim 8
 
 
+def generate(model: Transformer, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """One prompt's continuation."""
+    return generate_batch(model, [prompt], max_new_tokens, **kwargs)[0]
+
+
 def test_greedy_generation_is_deterministic_and_stops() -> None:
     model = build().eval()
     first = generate(model, [1, 2, 3], max_new_tokens=8)
     assert first == generate(model, [1, 2, 3], max_new_tokens=8)
     assert len(first) == 8
-    assert generate(model, [1, 2, 3], max_new_tokens=8, stop=lambda new: len(new) == 3) == first[:3]
+    assert generate(model, [1, 2, 3], max_new_tokens=8, stop=lambda row, new: len(new) == 3) == first[:3]
     assert generate(model, [1, 2, 3], max_new_tokens=8, stop_token=first[0]) == []
 
 
