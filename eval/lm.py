@@ -6,9 +6,10 @@
     forgeline lm-eval --model forgeline --model_args hf=exported/,tokenizer=exported/ --tasks ...
 
 Loads a checkpoint of any parallel layout, an inference bundle or a Hugging Face Llama
-directory into one process. Scoring is batched longest-first; a context shared by several
-requests (the choices of a multiple-choice item) is computed once, the continuations on top of
-its KV cache. Generation is batched with a KV cache.
+directory into one process. Scoring packs several requests into each row of a batch, kept apart
+by the attention mask, so the model computes real tokens instead of padding; a context shared by
+several requests (the choices of a multiple-choice item) is computed once, their continuations
+branching off its end. Generation is batched with a KV cache.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,19 +31,126 @@ from transformers import PreTrainedTokenizerFast
 
 from forgeline.model.hf import import_hf
 from forgeline.model.inference import generate_batch, load_bundle, load_from_checkpoint
-from forgeline.model.llama import KVCache
 
 log = logging.getLogger(__name__)
 
 Request = tuple[tuple[str, str] | None, list[int], list[int]]
 
 
-def score_continuation(logits: torch.Tensor, target: torch.Tensor) -> tuple[float, bool]:
-    """Log-probability of `target` (C,) under `logits` (C, V), and whether it is the greedy
-    choice at every position: the target logits minus their logsumexp, without materializing a
-    (C, V) log-softmax."""
-    logprob = logits.gather(-1, target[:, None])[:, 0] - logits.logsumexp(-1)
-    return float(logprob.sum()), bool((logits.argmax(-1) == target).all())
+@dataclass
+class Sequence:
+    """One sequence of a packed row: a context with the continuations of the requests that
+    share it branching off its end (the choices of a multiple-choice item), or one input."""
+    tokens: list[int] = field(default_factory=list)
+    branches: list[int] = field(default_factory=list)  # per token: 0 the context, k its k-th continuation
+    positions: list[int] = field(default_factory=list)  # per token: position within its branch's sequence
+    scored: list[tuple[int, list[int]]] = field(default_factory=list)  # (request, tokens predicting it)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: list[int], branch: int, first_position: int) -> list[int]:
+        """Append `tokens` to `branch`; returns their offsets in the sequence."""
+        start = len(self.tokens)
+        self.tokens += tokens
+        self.branches += [branch] * len(tokens)
+        self.positions += range(first_position, first_position + len(tokens))
+        return list(range(start, len(self.tokens)))
+
+
+def branching_sequences(requests: list[Request], users: list[int], max_length: int) -> list[Sequence]:
+    """The requests in `users`, which share one context, as sequences of at most `max_length`
+    tokens: the context once, then each continuation but its last token, attending to the
+    context and to itself only. A continuation's first token is predicted by the context's last
+    position, so one-token answers add no tokens at all."""
+    context = requests[users[0]][1]
+    sequences: list[Sequence] = []
+    for index in users:
+        inputs = requests[index][2][:-1]
+        if not sequences or len(sequences[-1]) + len(inputs) > max_length:
+            sequences.append(Sequence())
+            sequences[-1].extend(context, 0, 0)
+        sequence = sequences[-1]
+        branch = len(sequence.scored) + 1
+        sequence.scored.append((index, [len(context) - 1] + sequence.extend(inputs, branch, len(context))))
+    return sequences
+
+
+def pack_rows(sequences: list[Sequence], rows: int) -> Iterator[list[list[Sequence]]]:
+    """Batches of at most `rows` rows, each as wide as the longest sequence left, filled
+    first-fit, longest first: shorter sequences take the room that would be padding."""
+    remaining = sorted(sequences, key=len, reverse=True)
+    while remaining:
+        width, shortest = len(remaining[0]), len(remaining[-1])
+        batch: list[list[Sequence]] = []
+        free: list[int] = []
+        left: list[Sequence] = []
+        for position, sequence in enumerate(remaining):
+            if len(batch) == rows and max(free) < shortest:  # full: the rest waits for the next batch
+                left += remaining[position:]
+                break
+            row = next((r for r, room in enumerate(free) if room >= len(sequence)), None)
+            if row is None and len(batch) < rows:
+                batch.append([])
+                free.append(width)
+                row = len(batch) - 1
+            if row is None:
+                left.append(sequence)
+            else:
+                batch[row].append(sequence)
+                free[row] -= len(sequence)
+        yield batch
+        remaining = left
+
+
+@dataclass
+class PackedRows:
+    """A batch of packed rows as model inputs: tokens, and per token its sequence within the
+    row, its branch and its position; `placed` lists each sequence with its offset in the
+    flattened (B * T) batch."""
+    tokens: torch.Tensor  # (B, T)
+    segments: torch.Tensor  # (B, T): -1 for padding
+    branches: torch.Tensor
+    positions: torch.Tensor
+    placed: list[tuple[Sequence, int]]
+
+    @classmethod
+    def of(cls, batch: list[list[Sequence]]) -> PackedRows:
+        width = len(batch[0][0])  # the longest sequence
+        shape = (len(batch), width)
+        rows = cls(tokens=torch.zeros(shape, dtype=torch.long), segments=torch.full(shape, -1),
+                   branches=torch.zeros(shape, dtype=torch.long),
+                   positions=torch.zeros(shape, dtype=torch.long), placed=[])
+        for row, sequences in enumerate(batch):
+            start = 0
+            for segment, sequence in enumerate(sequences):
+                span = slice(start, start + len(sequence))
+                rows.tokens[row, span] = torch.tensor(sequence.tokens)
+                rows.segments[row, span] = segment
+                rows.branches[row, span] = torch.tensor(sequence.branches)
+                rows.positions[row, span] = torch.tensor(sequence.positions)
+                rows.placed.append((sequence, row * width + start))
+                start += len(sequence)
+        return rows
+
+    def mask(self) -> torch.Tensor:
+        """(B, 1, T, T) attention mask: a token sees the earlier tokens of its own sequence that
+        are in the context or in its own branch, and always itself (padding, in no sequence,
+        would otherwise see nothing and turn into NaN)."""
+        same_sequence = self.segments[:, :, None] == self.segments[:, None, :]
+        earlier = self.positions[:, None, :] <= self.positions[:, :, None]
+        keys, queries = self.branches[:, None, :], self.branches[:, :, None]
+        context_or_own = (keys == 0) | (keys == queries)
+        itself = torch.eye(self.segments.size(1), dtype=torch.bool)
+        return (same_sequence & earlier & context_or_own | itself)[:, None]
+
+
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position of `logits` (N, V): the log-probability of its target (N,) -- the target
+    logit minus the logsumexp, without materializing an (N, V) log-softmax -- and whether the
+    target is the greedy choice."""
+    logprobs = logits.gather(-1, targets[:, None])[:, 0] - logits.logsumexp(-1)
+    return logprobs, logits.argmax(-1) == targets
 
 
 def usable_device(requested: str) -> str:
@@ -93,96 +202,64 @@ class ForgelineLM(TemplateLM):
     def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False,
                               **kwargs) -> list[tuple[float, bool]]:
         """Sum of log-probabilities of each continuation given its context, and whether greedy
-        decoding would produce it. A context shared by several requests -- the choices of a
-        multiple-choice item -- runs once, and only the continuations are computed on top of its
-        KV cache; the rest (document windows, over-long requests) run whole, each distinct input
-        once. Both go longest first, in batches."""
-        by_context: dict[tuple[int, ...], list[int]] = defaultdict(list)
-        for index, (_, context, continuation) in enumerate(requests):
-            if context and len(context) + len(continuation) <= self.max_length + 1:
-                by_context[tuple(context)].append(index)
-        shared = {context: users for context, users in by_context.items() if len(users) > 1}
-        whole = [i for i in range(len(requests)) if tuple(requests[i][1]) not in shared]
+        decoding would produce it. Requests become sequences packed several to a row with a
+        mask that keeps them apart, so the model computes real tokens rather than padding:
+        requests sharing a context (the choices of a multiple-choice item) share one copy of it,
+        with their continuations branching off its end; the others (document windows, inputs
+        cut to max_length) each compute their input once."""
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         progress = tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood")
-        for batch in self._batches(sorted(shared, key=len, reverse=True), lambda c: len(shared[c])):
-            for index, score in self._score_on_shared_contexts(requests, batch, shared):
+        for batch in pack_rows(self._sequences(requests), self.batch_size):
+            for index, score in self._score_packed(requests, batch):
                 results[index] = score
-            progress.update(sum(len(shared[c]) for c in batch))
-        for index, score in self._score_whole(requests, whole, progress):
-            results[index] = score
+            progress.update(sum(len(sequence.scored) for row in batch for sequence in row))
         progress.close()
         for index, score in enumerate(results):
             if requests[index][0] is not None:
                 self.cache_hook.add_partial("loglikelihood", requests[index][0], score)
         return results
 
-    def _batches(self, items: list, rows: Callable[[object], int]) -> Iterator[list]:
-        """Consecutive items adding up to about batch_size rows (at least one item)."""
-        batch, size = [], 0
-        for item in items:
-            batch.append(item)
-            size += rows(item)
-            if size >= self.batch_size:
-                yield batch
-                batch, size = [], 0
-        if batch:
-            yield batch
+    def _sequences(self, requests: list[Request]) -> list[Sequence]:
+        by_context: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for index, (_, context, _continuation) in enumerate(requests):
+            by_context[tuple(context)].append(index)
+        sequences = []
+        single: dict[tuple[int, ...], Sequence] = {}  # input -> the sequence of the requests scoring it
+        for context, users in by_context.items():
+            longest = max(len(requests[index][2]) for index in users)
+            if context and len(users) > 1 and len(context) + longest - 1 <= self.max_length:
+                sequences += branching_sequences(requests, users, self.max_length)
+                continue
+            for index in users:
+                inputs, continuation = self._window(requests[index][1], requests[index][2])
+                if (sequence := single.get(tuple(inputs))) is None:
+                    sequence = single[tuple(inputs)] = Sequence()
+                    sequence.extend(inputs, 0, 0)
+                    sequences.append(sequence)
+                sequence.scored.append((index, list(range(len(inputs) - len(continuation), len(inputs)))))
+        return sequences
 
-    def _score_on_shared_contexts(self, requests: list[Request], contexts: list[tuple[int, ...]],
-                                  users: dict[tuple[int, ...], list[int]]) -> Iterator[tuple[int, tuple]]:
-        """One forward of the (left-padded) contexts into a KV cache, then one of every
-        continuation but its last token on top of its context's cache."""
-        width = len(contexts[0])  # longest first
-        rows = [(group, index) for group, context in enumerate(contexts) for index in users[context]]
-        longest = max(len(requests[index][2]) for _, index in rows)
-        cache = KVCache(self.model.args, len(contexts), width + longest, self.device,
-                        next(self.model.parameters()).dtype)
-        prompts = torch.full((len(contexts), width), self.eot_token_id, dtype=torch.long)
-        for group, context in enumerate(contexts):
-            prompts[group, width - len(context):] = torch.tensor(context)
-            cache.valid[group, width - len(context):width] = True
-        first = self._logits(self.model.hidden_states(prompts.to(self.device), cache)[:, -1])  # (G, V)
-        cache.select(torch.tensor([group for group, _ in rows], device=self.device))
-        cache.valid[:, width:] = True  # padding at the end of a continuation only follows it
-        rest = None
-        if longest > 1:
-            inputs = torch.full((len(rows), longest - 1), self.eot_token_id, dtype=torch.long)
-            for row, (_, index) in enumerate(rows):
-                continuation = requests[index][2]
-                inputs[row, : len(continuation) - 1] = torch.tensor(continuation[:-1])
-            rest = self._logits(self.model.hidden_states(inputs.to(self.device), cache))  # (R, C-1, V)
-        for row, (group, index) in enumerate(rows):
-            continuation = requests[index][2]
-            predicted = first[group][None]  # (1, V): the context's last position predicts token 0
-            if len(continuation) > 1:
-                predicted = torch.cat([predicted, rest[row, : len(continuation) - 1]])  # (C, V)
-            yield index, score_continuation(predicted, torch.tensor(continuation, device=self.device))
-
-    def _score_whole(self, requests: list[Request], indices: list[int],
-                     progress: tqdm) -> Iterator[tuple[int, tuple]]:
-        windows = {i: self._window(requests[i][1], requests[i][2]) for i in indices}
-        users: dict[tuple[int, ...], list[int]] = defaultdict(list)  # input -> requests scoring it
-        for index, (inputs, _) in windows.items():
-            users[tuple(inputs)].append(index)
-        distinct = sorted(users, key=len, reverse=True)
-        for start in range(0, len(distinct), self.batch_size):
-            batch = distinct[start:start + self.batch_size]
-            padded = torch.full((len(batch), len(batch[0])), self.eot_token_id, dtype=torch.long)
-            for row, inputs in enumerate(batch):
-                padded[row, : len(inputs)] = torch.tensor(inputs)
-            hidden = self.model.hidden_states(padded.to(self.device))  # (B, T, C)
-            # Only the positions that predict a continuation token get logits.
-            spans = [max(len(windows[index][1]) for index in users[inputs]) for inputs in batch]
-            needed = [hidden[row, len(inputs) - span: len(inputs)]
-                      for row, (inputs, span) in enumerate(zip(batch, spans, strict=True))]
-            logits = self._logits(torch.cat(needed))  # (sum of spans, V)
-            for inputs, row_logits in zip(batch, logits.split(spans), strict=True):
-                for index in users[inputs]:
-                    continuation = windows[index][1]
-                    yield index, score_continuation(row_logits[len(row_logits) - len(continuation):],
-                                                    torch.tensor(continuation, device=self.device))
-                progress.update(len(users[inputs]))
+    def _score_packed(self, requests: list[Request],
+                      batch: list[list[Sequence]]) -> Iterator[tuple[int, tuple[float, bool]]]:
+        """One forward of the packed rows; logits only where a continuation token is predicted."""
+        rows = PackedRows.of(batch)
+        # Rows of one plain sequence each are ordinary causal inputs (padding only at their ends).
+        plain = all(len(sequences) == 1 and not any(sequences[0].branches) for sequences in batch)
+        hidden = self.model.hidden_states(
+            rows.tokens.to(self.device), positions=None if plain else rows.positions.to(self.device),
+            mask=None if plain else rows.mask().to(self.device))
+        picked, targets, lengths, indices = [], [], [], []
+        for sequence, offset in rows.placed:
+            for index, predicting in sequence.scored:
+                picked += [offset + position for position in predicting]
+                targets += requests[index][2]
+                lengths.append(len(predicting))
+                indices.append(index)
+        logits = self._logits(hidden.flatten(0, 1)[torch.tensor(picked, device=self.device)])  # (N, V)
+        logprobs, greedy = score_tokens(logits, torch.tensor(targets, device=self.device))
+        for index, logprob, chosen in zip(indices, logprobs.split(lengths), greedy.split(lengths),
+                                          strict=True):
+            yield index, (float(logprob.sum()), bool(chosen.all()))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.output(hidden).float()
@@ -238,6 +315,11 @@ class ForgelineLM(TemplateLM):
             until = [until] if isinstance(until, str) else list(until)
             temperature = float(gen_kwargs.get("temperature", 0.0)) if gen_kwargs.get("do_sample") else 0.0
             max_new = self._generation_budget(int(gen_kwargs.get("max_gen_toks", 256)))
+            # Checked after every token, a stop sequence first shows up ending in the newest
+            # token: it lies in the last tokens that hold its bytes (a token has at least one),
+            # plus a UTF-8 character's worth that may have begun before. Decoding only those
+            # keeps the check constant per step instead of growing with the output.
+            tail = max(len(s.encode()) for s in until) + 4
             prompts = {i: self.tok_encode(requests[i].args[0]) for i in indices}
             ordered = sorted(indices, key=lambda i: -len(prompts[i]))
             for start in range(0, len(ordered), self.batch_size):
@@ -245,7 +327,8 @@ class ForgelineLM(TemplateLM):
                 new_tokens = generate_batch(
                     self.model, [prompts[i] for i in batch], max_new, temperature=temperature,
                     stop_token=self.eot_token_id,
-                    stop=lambda row, new, until=until: any(s in self.tok_decode(new) for s in until),
+                    stop=lambda row, new, until=until, tail=tail: any(s in self.tok_decode(new[-tail:])
+                                                                      for s in until),
                 )
                 for index, tokens in zip(batch, new_tokens, strict=True):
                     text = self.tok_decode(tokens)

@@ -75,7 +75,8 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     its (cos, sin) viewed as complex numbers, one multiplication (a single kernel, where
     rotating with real arithmetic takes a dozen passes over x)."""
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, T, H, D/2)
-    rotation = torch.view_as_complex(rope[: x.size(1)])[:, None]  # (T, 1, D/2)
+    # rope: (T', D/2, 2), the table from position 0; or (B, T, D/2, 2), a position per token.
+    rotation = torch.view_as_complex(rope[..., : x.size(1), :, :]).unsqueeze(-2)  # ([B,] T, 1, D/2)
     return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
 
@@ -132,7 +133,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
-                layer: str = "") -> torch.Tensor:
+                layer: str = "", mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 instead of the head counts: under tensor parallelism each rank holds a slice.
         q = self.wq(x).view(B, T, -1, self.head_dim)
@@ -141,7 +142,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         gqa = self.n_heads != self.n_kv_heads
-        if cache is None:
+        if mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             k, v = cache.append(layer, k, v)  # (B, H_kv, S, D): the past and these positions
@@ -171,10 +174,10 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
-                layer: str = "") -> torch.Tensor:
-        # cache and layer by keyword: tensor parallelism's PrepareModuleInput lays out the
+                layer: str = "", mask: torch.Tensor | None = None) -> torch.Tensor:
+        # cache, layer and mask by keyword: tensor parallelism's PrepareModuleInput lays out the
         # positional inputs (x, rope) only.
-        x = x + self.attention(self.attention_norm(x), rope, cache=cache, layer=layer)
+        x = x + self.attention(self.attention_norm(x), rope, cache=cache, layer=layer, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -204,18 +207,26 @@ class Transformer(nn.Module):
         h = self.hidden_states(tokens, cache)
         return self.output(h) if self.output is not None else h  # (B, T, V)
 
-    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None,
+                      positions: torch.Tensor | None = None,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, C) states after the final norm: what `output` turns into logits. Inference
         that needs the logits of a few positions projects only those (the vocabulary projection
-        is a large share of a small model's compute)."""
+        is a large share of a small model's compute).
+
+        Packed rows (several sequences per row; inference, without a cache) give each token's
+        `positions` (B, T) within its sequence and the attention `mask` (B, 1, T, T): True where
+        a query may attend to a key."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, C)
         T = h.size(1)
         rope = self.rope
-        if cache is not None:
+        if positions is not None:
+            rope = self.rope[positions]  # (B, T, D/2, 2)
+        elif cache is not None:
             rope = self.rope[cache.length:cache.length + T]
             cache.begin(T)
         for key, layer in self.layers.items():
-            h = layer(h, rope, cache=cache, layer=key)
+            h = layer(h, rope, cache=cache, layer=key, mask=mask)
         if cache is not None:
             cache.end(T)
         return self.norm(h) if self.norm is not None else h

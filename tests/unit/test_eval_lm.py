@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 
-from forgeline.eval.lm import ForgelineLM
+from forgeline.eval.lm import ForgelineLM, Sequence, pack_rows
 from forgeline.model.hf import export_hf
 from tests.conftest import random_lm
 
@@ -109,6 +109,37 @@ def test_shared_context_scores_equal_whole_input_scores(lm: ForgelineLM) -> None
     requests.append((None, lm.tok_encode("A different question"), lm.tok_encode(" alone")))
     for (score, _greedy), (_, ctx, cont) in zip(lm._loglikelihood_tokens(requests), requests, strict=True):
         assert score == pytest.approx(direct_logprob(lm, ctx + cont, len(cont)), abs=1e-4)
+
+
+def test_short_requests_fill_the_room_a_long_one_leaves(lm: ForgelineLM) -> None:
+    tokens: list[int] = []  # positions computed per forward
+
+    def count(module, args, out) -> None:
+        tokens.append(args[0].numel())
+
+    long = lm.tok_encode("KING LEAR: Blow, winds, and crack your cheeks! rage! blow! You cataracts")
+    short = [lm.tok_encode(f"Fool {i}: nuncle") for i in range(9)]
+    short = short[: (len(long) - 1) // (len(short[0]) - 1)]  # as many as fit in a row as wide as the long one
+    requests = [(None, long[:-1], long[-1:])] + [(None, s[:-1], s[-1:]) for s in short]
+    assert len(short) > 1
+    hook = lm.model.tok_embeddings.register_forward_hook(count)
+    try:
+        scores = lm._loglikelihood_tokens(requests)
+    finally:
+        hook.remove()
+    assert sum(tokens) == 2 * (len(long) - 1)  # two rows: the long request, then all the short ones
+    for (score, _greedy), (_, ctx, cont) in zip(scores, requests, strict=True):
+        assert score == pytest.approx(direct_logprob(lm, ctx + cont, len(cont)), abs=1e-4)
+
+
+def test_pack_rows_fills_rows_first_fit_and_keeps_every_sequence() -> None:
+    sequences = []
+    for length in (9, 2, 7, 3, 5, 1, 4):
+        sequences.append(Sequence())
+        sequences[-1].extend(list(range(length)), 0, 0)
+    batches = list(pack_rows(sequences, rows=2))
+    lengths = [[[len(s) for s in row] for row in batch] for batch in batches]
+    assert lengths == [[[9], [7, 2]], [[5], [4, 1]], [[3]]]
 
 
 def test_batched_generation_matches_one_request_at_a_time(lm: ForgelineLM) -> None:
