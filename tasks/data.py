@@ -3,8 +3,10 @@ sequences -> webdataset shards.
 
 Output (`data.out_dir`): `tokenizer/` (loads with transformers.PreTrainedTokenizerFast),
 `train-NNNNNN.tar` and `val-NNNNNN.tar` shards, `val_docs.jsonl` (held-out documents for
-evaluation), `manifest.json` (per-source provenance and counts of what each filter removed,
-sha256 per shard, tokenizer and config hashes) and `build.json` (a hash of the config, every
+evaluation), `manifest.json` (sha256 per shard, tokenizer and config hashes, counts per split,
+and per source its provenance, what each filter removed and, per split, its documents, tokens
+and `sequences`: the packed samples holding at least one of its tokens -- samples mix sources,
+so these add up to more than the split's samples) and `build.json` (a hash of the config, every
 input document and this stage's code). Every source is checked and everything
 computed before the first byte is written; the output is written to a temporary directory and
 swapped in whole, so a failed run never leaves a half-written shard under its final name. The
@@ -117,6 +119,10 @@ def build_dataset(cfg: Config) -> DataResult:
         for doc, length in zip(docs, lengths, strict=True):
             stats[doc.source][f"{split}_documents"] += 1
             stats[doc.source][f"{split}_tokens"] += int(length) + 1  # + EOS
+        covered = source_sequences([d.source for d in docs], lengths, dcfg.seq_len,
+                                   len(packed[split].samples))
+        for label, count in covered.items():
+            stats[label][f"{split}_sequences"] = count
     log.info("data: tokenizer ready, documents tokenized and packed at %.1f s", time.perf_counter() - started)
     with staging_dir(out_dir) as tmp:
         hf_tokenizer = save_tokenizer(tokenizer, dcfg.special_tokens, tmp / "tokenizer")
@@ -198,7 +204,8 @@ def source_entry(source: SourceConfig) -> dict:
     return {"kind": source.kind, **where, "license": source.provenance or "unspecified",
             "weight": source.weight, "input": {"documents": 0, "bytes": 0}, "removed": {},
             "repaired_utf8": 0, "boilerplate_lines": 0, "pii_replaced": 0, "kept": 0,
-            "train_documents": 0, "train_tokens": 0, "val_documents": 0, "val_tokens": 0}
+            "train_documents": 0, "train_tokens": 0, "train_sequences": 0,
+            "val_documents": 0, "val_tokens": 0, "val_sequences": 0}
 
 
 def clean_corpus(raw: list[RawDocument], cfg: CleaningConfig, stats: dict[str, dict],
@@ -388,6 +395,28 @@ def pack(stream: np.ndarray, lengths: np.ndarray, seq_len: int, dtype: type) -> 
     starts = [(doc_starts[a:b] - i * seq_len).astype(np.int32)
               for i, (a, b) in enumerate(zip(lo, hi, strict=True))]
     return Packed(stream[index].astype(dtype), starts, len(stream))
+
+
+def source_sequences(sources: list[str], lengths: np.ndarray, seq_len: int,
+                     num_samples: int) -> dict[str, int]:
+    """Per source, how many of the `num_samples` packed samples hold at least one of its tokens,
+    from the documents' sources and token counts in stream order. Document i (its tokens and
+    EOS) spans stream positions [b, e); sample j holds positions [j*seq_len, j*seq_len + seq_len],
+    so it overlaps the document for ceil(b/seq_len) - 1 <= j <= (e-1)//seq_len. Samples mix
+    sources: the counts of all sources add up to at least the number of samples."""
+    sizes = np.asarray(lengths, dtype=np.int64) + 1
+    ends = np.cumsum(sizes)
+    first = np.maximum(-(-(ends - sizes) // seq_len) - 1, 0)
+    last = np.minimum((ends - 1) // seq_len, num_samples - 1)  # < first: only in the dropped tail
+    labels = np.array(sources)
+    counts = {}
+    for label in dict.fromkeys(sources):
+        mine = (labels == label) & (first <= last)
+        coverage = np.zeros(num_samples + 1, np.int64)  # +1 where a document's samples begin, -1 after
+        np.add.at(coverage, first[mine], 1)
+        np.add.at(coverage, last[mine] + 1, -1)
+        counts[label] = int((np.cumsum(coverage[:-1]) > 0).sum())
+    return counts
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
