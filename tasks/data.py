@@ -1,5 +1,9 @@
-"""Data stage: sources -> cleaning and dedup -> mixing -> byte-level BPE tokenizer -> packed
-sequences -> webdataset shards.
+"""Data stage: sources -> raw snapshot -> cleaning and dedup -> mixing -> byte-level BPE
+tokenizer -> packed sequences -> webdataset shards.
+
+Two steps: the snapshot of the raw inputs as read (tasks/raw.py, `data.raw_dir`), then the
+build from that snapshot. `forgeline stage data` runs both; `--snapshot-only` and
+`--from-snapshot` run one each (dvc.yaml's `sources` and `data` stages).
 
 Output (`data.out_dir`): `tokenizer/` (loads with transformers.PreTrainedTokenizerFast),
 `train-NNNNNN.tar` and `val-NNNNNN.tar` shards, `val_docs.jsonl` (held-out documents for
@@ -7,10 +11,11 @@ evaluation), `manifest.json` (sha256 per shard, tokenizer and config hashes, cou
 and per source its provenance, what each filter removed and, per split, its documents, tokens
 and `sequences`: the packed samples holding at least one of its tokens -- samples mix sources,
 so these add up to more than the split's samples) and `build.json` (a hash of the config, every
-input document and this stage's code). Every source is checked and everything
-computed before the first byte is written; the output is written to a temporary directory and
-swapped in whole, so a failed run never leaves a half-written shard under its final name. The
-same inputs, config and code give byte-identical output, and a rerun on them rewrites nothing.
+input document and the build step's code). Every source is checked and everything
+computed before the first byte of either step's output is written; each is written to a
+temporary directory and swapped in whole, so a failed run never leaves a half-written shard
+under its final name. The same inputs, config and code give byte-identical output, and a rerun
+on them rewrites nothing.
 """
 
 from __future__ import annotations
@@ -39,10 +44,12 @@ from forgeline.configs.schema import CleaningConfig, DataConfig, SourceConfig
 from forgeline.model import data as shard_format
 from forgeline.model.data import FORMAT_VERSION, MANIFEST_NAME, SAMPLE_FIELD, STARTS_FIELD
 from forgeline.model.fileio import sha256_file
-from forgeline.tasks import clean, sources
-from forgeline.tasks.atomic import replace_dir, staging_dir
+from forgeline.tasks import clean
+from forgeline.tasks import raw as raw_snapshot
+from forgeline.tasks.atomic import remove_stale_staging, replace_dir, staging_dir
 from forgeline.tasks.clean import Cleaned, Deduplicator, clean_document
-from forgeline.tasks.sources import RawDocument, preflight_sources, read_source
+from forgeline.tasks.raw import check_snapshot, load_snapshot, take_snapshot
+from forgeline.tasks.sources import RawDocument, preflight_sources
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +86,25 @@ class Packed:
     tokens: int
 
 
-def build_dataset(cfg: Config) -> DataResult:
-    """Run the whole data stage for `cfg.data`; returns what it wrote (or found up to date)."""
+def build_dataset(cfg: Config, from_snapshot: bool = False) -> DataResult:
+    """Run the data stage for `cfg.data`: the snapshot of the raw inputs (tasks/raw.py; with
+    `from_snapshot`, the one already in data.raw_dir is used), then the build from it. Returns
+    what it wrote (or found up to date)."""
+    preflight_data(cfg.data, from_snapshot)
+    if not from_snapshot:
+        take_snapshot(cfg.data)
+    return build_from_snapshot(cfg)
+
+
+def build_from_snapshot(cfg: Config) -> DataResult:
+    """The build step: the snapshot in data.raw_dir (each file checked against its sha256) to
+    the shards, tokenizer and manifest in data.out_dir, unless that output is up to date."""
     dcfg = cfg.data
-    preflight_data(dcfg)
     started = time.perf_counter()
-    raw = [doc for source in dcfg.sources for doc in read_source(source, dcfg.cleaning.max_chars)]
-    build_key = build_fingerprint(cfg, raw)
     out_dir = Path(dcfg.out_dir)
+    remove_stale_staging(out_dir)  # also when nothing is rebuilt
+    raw = load_snapshot(dcfg)
+    build_key = build_fingerprint(cfg, raw)
     if (manifest := up_to_date_manifest(out_dir, build_key)) is not None:
         log.info("data: %s is up to date (build %s); nothing rewritten", out_dir, build_key[:12])
         return data_result(out_dir, manifest, reused=True)
@@ -155,9 +173,13 @@ def build_dataset(cfg: Config) -> DataResult:
     return data_result(out_dir, manifest, reused=False)
 
 
-def preflight_data(dcfg: DataConfig) -> None:
-    """What can be checked before reading anything: every source and the tokenizer to load."""
-    preflight_sources(dcfg.sources)
+def preflight_data(dcfg: DataConfig, from_snapshot: bool = False) -> None:
+    """What can be checked before reading anything: every source (with `from_snapshot`: the
+    snapshot, intact and taken for this config) and the tokenizer to load."""
+    if from_snapshot:
+        check_snapshot(dcfg)
+    else:
+        preflight_sources(dcfg.sources)
     if dcfg.tokenizer_path:
         tokenizer_file(dcfg.tokenizer_path)
 
@@ -172,9 +194,9 @@ def data_result(out_dir: Path, manifest: dict, reused: bool) -> DataResult:
 
 def build_fingerprint(cfg: Config, raw: list[RawDocument]) -> str:
     """sha256 of everything the output depends on: the data config, every input document and
-    the code of this stage."""
+    the code of the build step (how the documents were read is in the documents)."""
     digest = hashlib.sha256(f"{FORMAT_VERSION}\n{cfg.section_hash('data')}\n".encode())
-    for module in (sys.modules[__name__], clean, sources, shard_format):
+    for module in (sys.modules[__name__], clean, raw_snapshot, shard_format):
         digest.update(Path(module.__file__).read_bytes())
     for doc in raw:
         digest.update(f"{doc.source}\0{doc.name}\0{doc.size}\0".encode())

@@ -1,6 +1,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -180,4 +181,8 @@ def test_killed_while_writing_shards_leaves_the_previous_output_intact(tmp_path:
         os.killpg(writer.pid, signal.SIGKILL)
         writer.wait()
     assert {p.name: sha256_file(p) for p in data_dir.rglob("*") if p.is_file()} == before
+    # Its staging directory stays behind, named after it, until the next run removes it.
+    [stale] = tmp_path.glob(".data.tmp-*")
+    assert stale.name.startswith(f".data.tmp-{socket.gethostname()}-{writer.pid}-")
     assert build_dataset(files_config(tmp_path, corpus)).reused
+    assert not stale.exists()
