@@ -39,7 +39,7 @@ CACHE_SOURCE_TAG = "forgeline.cache.source_run"
 # The same sections and code as each stage's params and deps in dvc.yaml.
 STAGE_SECTIONS = {"data": ("data",), "train": ("model", "parallel", "train", "checkpoint"),
                   "eval": ("eval",), "register": ("registry",)}
-STAGE_CODE = {"data": ("tasks/data.py", "tasks/sources.py", "tasks/clean.py", "model/data.py"),
+STAGE_CODE = {"data": ("tasks/data.py", "tasks/raw.py", "tasks/clean.py", "model/data.py"),
               "train": ("model", "tasks/train.py"),
               "eval": ("eval", "tasks/evaluate.py"), "register": ("tasks/register.py", "model/hf.py")}
 STAGE_UPSTREAM = {"data": (), "train": ("data",), "eval": ("data", "train"),
