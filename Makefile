@@ -51,7 +51,10 @@ repro: install
 
 # The packaged text of configs/corpus-docs.yaml (48 MB; the standard library adds 12 MB): Linux
 # kernel and Python documentation from Debian packages, unpacked (not installed) under corpus/.
-# Debian may ship newer package versions later; the data manifest records a hash of every input.
+# corpus/VERSIONS records the exact versions downloaded, one `name=version` a line; the data
+# stage's raw snapshot (sources.json) names them for the sources under corpus/. Debian may ship
+# newer versions later: CORPUS_DEBS takes pinned `name=version` too (while the mirror has them),
+# e.g. `make corpus CORPUS_DEBS="$(cat saved/VERSIONS)"` to unpack a recorded corpus again.
 CORPUS_DEBS := linux-doc-6.1 python3.11-doc
 corpus: corpus/.unpacked
 
@@ -59,6 +62,8 @@ corpus/.unpacked:
 	mkdir -p corpus/debs
 	cd corpus/debs && apt-get download $(CORPUS_DEBS)
 	for deb in corpus/debs/*.deb; do dpkg -x $$deb corpus/root; done
+	for deb in corpus/debs/*.deb; do \
+		dpkg-deb --show --showformat='$${Package}=$${Version}\n' $$deb; done > corpus/VERSIONS
 	touch $@
 
 clean:

@@ -116,7 +116,8 @@ def recovery_time(directory: Path) -> float:
 
     marker = directory / "kill.fired"
     cfg = load_config("debug.yaml", [
-        f"data.out_dir={directory / 'data'}", f"train.out_dir={directory / 'train'}",
+        f"data.out_dir={directory / 'data'}", f"data.raw_dir={directory / 'raw'}",
+        f"train.out_dir={directory / 'train'}",
         f"registry.tracking_uri=sqlite:///{directory / 'mlflow.db'}", "parallel.dp_shard=2",
         "train.steps=40", "checkpoint.every_steps=10", "train.peak_tflops=1",
         "train.callbacks=[{path: 'tests.faults:KillBefore', "

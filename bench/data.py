@@ -136,9 +136,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-data-") as scratch:
         workdir = Path(scratch)
         cfg = load_config(args.config, [
-            f"data.out_dir={workdir / 'data'}", f"train.out_dir={workdir / 'train'}",
-            f"train.steps={args.steps}", "train.warmup_steps=2", f"checkpoint.every_steps={args.steps}",
-            f"train.log_every={args.steps}", "train.peak_tflops=1",
+            f"data.out_dir={workdir / 'data'}", f"data.raw_dir={workdir / 'raw'}",
+            f"train.out_dir={workdir / 'train'}", f"train.steps={args.steps}", "train.warmup_steps=2",
+            f"checkpoint.every_steps={args.steps}", f"train.log_every={args.steps}", "train.peak_tflops=1",
             f"registry.tracking_uri=sqlite:///{workdir / 'mlflow.db'}",
             f"registry.artifact_location={workdir / 'mlartifacts'}"])
         results = {"config": args.config, "rounds": args.rounds, "cpus": os.cpu_count(),

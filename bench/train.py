@@ -76,7 +76,8 @@ def trainer_step_times(cfg: Config) -> list[float]:
 def bench_config(args: argparse.Namespace, workdir: Path, *extra: str) -> Config:
     """The config in one process, everything written under `workdir`."""
     return load_config(args.config, [
-        f"data.out_dir={workdir / 'data'}", f"train.steps={args.steps}", "train.warmup_steps=2",
+        f"data.out_dir={workdir / 'data'}", f"data.raw_dir={workdir / 'raw'}", f"train.steps={args.steps}",
+        "train.warmup_steps=2",
         f"checkpoint.every_steps={args.steps}", "parallel.pp=1", "parallel.dp_shard=1",
         "parallel.dp_replicate=1", "parallel.tp=1", f"train.log_every={args.steps}",
         f"registry.tracking_uri=sqlite:///{workdir / 'mlflow.db'}",

@@ -170,6 +170,11 @@ class DataConfig(Section):
     out_dir: str = "artifacts/data"
     """Where the tokenizer, shards and manifest.json are written."""
 
+    raw_dir: str = "artifacts/raw"
+    """Where the stage keeps a snapshot of its raw inputs as read -- one `<source>.jsonl.gz` per
+    source and `sources.json` with each one's provenance and sha256 -- which it builds from and
+    DVC tracks (rewritten only when the inputs changed)."""
+
     tokenizer_path: str | None = None
     """An existing tokenizer to use instead of training one: a `tokenizer.json` file or a
     Hugging Face tokenizer directory. Its EOS token (or the first special token) separates
@@ -639,9 +644,9 @@ class Config(Section):
 
     def section_hash(self, *sections: str) -> str:
         """Stable sha256 of what the named sections (all when none are named) compute; where
-        outputs go (`out_dir`) and how many processes compute them (`num_workers`) are not part
-        of it."""
-        dump = self.model_dump(mode="json", exclude={name: {"out_dir", "num_workers"}
+        outputs go (`out_dir`, `raw_dir`) and how many processes compute them (`num_workers`) are
+        not part of it."""
+        dump = self.model_dump(mode="json", exclude={name: {"out_dir", "raw_dir", "num_workers"}
                                                      for name in type(self).model_fields})
         picked = {name: dump[name] for name in (sections or dump)}
         return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()

@@ -2,6 +2,7 @@
 
     forgeline run [--config PATH] [--set section.key=value ...] [--force]
     forgeline stage {data,train,eval,register} [--config PATH] [--set ...] [--upstream-run RUN_ID] [--force]
+    forgeline stage data [--snapshot-only | --from-snapshot] [...]
     forgeline config show [--config PATH] [--set ...] [--docs]
     forgeline plan --nodes N --accelerators-per-node K --memory-gib G [...] [--write-config OUT]
     forgeline checkpoints {list,verify,rollback,export} [...]
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from forgeline.configs import ConfigError, load_config
+from forgeline.configs import Config, ConfigError, load_config
 from forgeline.configs.loader import config_docs
 from forgeline.tasks import STAGES
 
@@ -64,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--upstream-run", metavar="RUN_ID",
                        help="read the upstream stages' outputs recorded by this earlier MLflow run (a "
                             "pipeline or stage run) instead of the config's output directories")
+    steps = stage.add_mutually_exclusive_group()
+    steps.add_argument("--snapshot-only", action="store_true",
+                       help="data: only take the snapshot of the raw inputs in data.raw_dir (rewritten "
+                            "only if they changed; no Prefect flow or MLflow run): dvc.yaml's `sources`")
+    steps.add_argument("--from-snapshot", action="store_true",
+                       help="data: build from the snapshot already in data.raw_dir, reading no source: "
+                            "dvc.yaml's `data`. Fails if it is missing, damaged or taken for other "
+                            "data.sources")
 
     config = verbs.add_parser("config", help="inspect and validate run configs",
                               description="Inspect and validate run configs.")
@@ -187,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["lm-eval"]:
         return run_lm_eval(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verb == "stage" and args.name != "data" and (args.snapshot_only or args.from_snapshot):
+        parser.error("--snapshot-only and --from-snapshot are for `forgeline stage data`")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call
     try:
@@ -204,18 +216,33 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb == "reproduce":
             return reproduce_run(args)
         cfg = load_config(args.config, args.overrides)  # fail on bad input before Prefect starts
+        if args.verb == "stage" and args.snapshot_only:
+            return snapshot_sources(cfg)
         from forgeline.tasks.stages import preflight, upstream_overrides
 
         if args.verb == "stage" and args.upstream_run:
             reuse = upstream_overrides(cfg, args.name, args.upstream_run)
             cfg = load_config(args.config, args.overrides + reuse)
-        preflight(cfg, (args.name,) if args.verb == "stage" else STAGES)
+        from_snapshot = args.verb == "stage" and args.from_snapshot
+        preflight(cfg, (args.name,) if args.verb == "stage" else STAGES, from_snapshot)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"forgeline: {err}", file=sys.stderr)
         return 2
     if args.verb == "run":
         return run_pipeline(args.config, args.overrides, args.force)
-    return run_stage(args.name, args.config, args.overrides, args.upstream_run, args.force)
+    return run_stage(args.name, args.config, args.overrides, args.upstream_run, args.force, from_snapshot)
+
+
+def snapshot_sources(cfg: Config) -> int:
+    """The data stage's first step alone: plain Python, quick enough to run on every `dvc repro`."""
+    from forgeline.tasks.data import preflight_data
+    from forgeline.tasks.raw import take_snapshot
+
+    preflight_data(cfg.data)
+    snapshot = take_snapshot(cfg.data)
+    print(f"sources: {snapshot.documents} documents of {snapshot.sources} sources in {snapshot.raw_dir} "
+          f"({'written' if snapshot.written else 'unchanged, not rewritten'})")
+    return 0
 
 
 def show_config(args: argparse.Namespace) -> int:
@@ -386,10 +413,12 @@ def run_pipeline(config: str | None, overrides: list[str], force: bool) -> int:
 
 
 def run_stage(name: str, config: str | None, overrides: list[str], upstream_run: str | None,
-              force: bool) -> int:
+              force: bool, from_snapshot: bool = False) -> int:
     from forgeline.flows.stages import STAGE_FLOWS
 
-    result = STAGE_FLOWS[name](config=config, overrides=overrides, upstream_run=upstream_run, force=force)
+    options = {"from_snapshot": True} if from_snapshot else {}  # data only
+    result = STAGE_FLOWS[name](config=config, overrides=overrides, upstream_run=upstream_run, force=force,
+                               **options)
     print(f"{name}: {result}")
     return 0
 

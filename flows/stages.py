@@ -23,7 +23,8 @@ from forgeline.tasks.train import TrainResult
 
 
 def run_one_stage(stage: str, config: str | None, overrides: list[str] | None, upstream_run: str | None,
-                  force: bool) -> Any:
+                  force: bool, **options: Any) -> Any:
+    """`options`: the stage task's own keyword arguments (data: `from_snapshot`)."""
     cfg = load_config(config, overrides or [])
     tags = prefect_tags()
     if upstream_run:
@@ -31,14 +32,16 @@ def run_one_stage(stage: str, config: str | None, overrides: list[str] | None, u
         tags[UPSTREAM_RUN_TAG] = upstream_run
     task = retrying_train_task(cfg) if stage == "train" else STAGE_TASKS[stage]
     with tracked_run(cfg, f"{stage}-{flow_run.name}", tags=tags) as parent:
-        return task(cfg, parent.run_id, force)
+        return task(cfg, parent.run_id, force, **options)
 
 
 @flow(name="forgeline-data", on_failure=[notify_failure])
 def data_flow(config: str | None = None, overrides: list[str] | None = None,
-              upstream_run: str | None = None, force: bool = False) -> DataResult:
-    """Corpus -> tokenizer -> packed webdataset shards and manifest."""
-    return run_one_stage("data", config, overrides, upstream_run, force)
+              upstream_run: str | None = None, force: bool = False,
+              from_snapshot: bool = False) -> DataResult:
+    """Corpus -> raw snapshot -> tokenizer -> packed webdataset shards and manifest;
+    `from_snapshot`: build from the snapshot already in data.raw_dir, reading no source."""
+    return run_one_stage("data", config, overrides, upstream_run, force, from_snapshot=from_snapshot)
 
 
 @flow(name="forgeline-train", on_failure=[notify_failure])

@@ -1,9 +1,16 @@
-"""All-or-nothing directory outputs: build under a temporary name, then swap in whole."""
+"""All-or-nothing directory outputs: build under a temporary name, then swap in whole.
+
+Temporary and replaced directories are named after their owner, `.NAME.tmp-<host>-<pid>-XXXX`
+and `.NAME.old-<host>-<pid>`, so that the ones a killed process left behind can be told from
+those of a process still at work (on this host or, on a shared filesystem, another one).
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,9 +22,11 @@ from forgeline.model.fileio import fsync_path
 @contextmanager
 def staging_dir(final: Path) -> Iterator[Path]:
     """A fresh temporary directory beside `final` (same filesystem, so the swap is a rename);
-    removed if the block fails or does not call `replace_dir`."""
+    removed if the block fails or does not call `replace_dir`. Those a dead process left beside
+    `final` go first (`remove_stale_staging`)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    remove_stale_staging(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{_owner()}-", dir=final.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would outlive the swap
@@ -32,12 +41,47 @@ def replace_dir(tmp: Path, final: Path) -> None:
     fsync_tree(tmp)
     old = None
     if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        old = final.with_name(f".{final.name}.old-{_owner()}")
         os.replace(final, old)
     os.replace(tmp, final)
     fsync_path(final.parent)
     if old is not None:
         shutil.rmtree(old)
+
+
+def remove_stale_staging(final: Path) -> list[Path]:
+    """Remove what a process killed mid-write left beside `final`: its temporary directories and,
+    once `final` exists again, a replaced one it had not yet removed. Only this host's, and only
+    those whose process is gone; returns what was removed."""
+    if not final.parent.is_dir():
+        return []
+    # mkdtemp's random suffix has no '-', so another host named `<this host>-<digits>` never matches.
+    name, host = re.escape(final.name), re.escape(socket.gethostname())
+    owned = re.compile(rf"\.{name}\.(?:tmp-{host}-(?P<tmp>\d+)-[^-]+|old-{host}-(?P<old>\d+))")
+    removed = []
+    for path in final.parent.iterdir():
+        match = owned.fullmatch(path.name)
+        if match is None or _alive(int(match["tmp"] or match["old"])):
+            continue
+        if match["old"] and not final.exists():
+            continue  # a swap cut short between its two renames: this is the only copy left
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _owner() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -3,10 +3,12 @@ verify -- the decision `dvc repro` makes, taken without a DVC repository, so `fo
 and the Prefect deployments get it too.
 
 A stage's inputs are its config sections (`Config.section_hash`: where outputs go is not an
-input), the content hashes of the upstream outputs it reads, and its code (the source files
-dvc.yaml lists as its deps). When a stage finishes, a stamp next to its output directory,
-`<out_dir>.stage.json`, records those inputs, the hash of what it wrote and its result. It
-lives outside the output so that DVC's hash of the output stays the stage's own.
+input), the content hashes of the upstream outputs it reads (for data: the raw snapshot, taken
+before on every run like dvc.yaml's always-changed `sources` stage, which has no stamp), and
+its code (the source files dvc.yaml lists as its deps). When a stage finishes, a stamp next to
+its output directory, `<out_dir>.stage.json`, records those inputs, the hash of what it wrote
+and its result. It lives outside the output so that DVC's hash of the output stays the stage's
+own.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ CACHE_SOURCE_TAG = "forgeline.cache.source_run"
 # The same sections and code as each stage's params and deps in dvc.yaml.
 STAGE_SECTIONS = {"data": ("data",), "train": ("model", "parallel", "train", "checkpoint"),
                   "eval": ("eval",), "register": ("registry",)}
-STAGE_CODE = {"data": ("tasks/data.py", "tasks/sources.py", "tasks/clean.py", "model/data.py"),
+STAGE_CODE = {"data": ("tasks/data.py", "tasks/raw.py", "tasks/clean.py", "model/data.py"),
               "train": ("model", "tasks/train.py"),
               "eval": ("eval", "tasks/evaluate.py"), "register": ("tasks/register.py", "model/hf.py")}
 STAGE_UPSTREAM = {"data": (), "train": ("data",), "eval": ("data", "train"),
@@ -72,6 +74,8 @@ def stage_inputs(stage: str, cfg: Config) -> dict[str, Any]:
         "code": code_hash(stage),
         "upstream": {up: dvc_hash(output_dir(up, cfg)) for up in STAGE_UPSTREAM[stage]},
     }
+    if stage == "data":  # the raw snapshot it builds from (dvc.yaml: a dep of the data stage)
+        inputs["raw"] = dvc_hash(cfg.data.raw_dir)
     if stage == "register":  # the registry it wrote to is part of what it did
         inputs["tracking_uri"] = resolve_tracking_uri(cfg)
     return inputs

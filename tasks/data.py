@@ -1,14 +1,21 @@
-"""Data stage: sources -> cleaning and dedup -> mixing -> byte-level BPE tokenizer -> packed
-sequences -> webdataset shards.
+"""Data stage: sources -> raw snapshot -> cleaning and dedup -> mixing -> byte-level BPE
+tokenizer -> packed sequences -> webdataset shards.
+
+Two steps: the snapshot of the raw inputs as read (tasks/raw.py, `data.raw_dir`), then the
+build from that snapshot. `forgeline stage data` runs both; `--snapshot-only` and
+`--from-snapshot` run one each (dvc.yaml's `sources` and `data` stages).
 
 Output (`data.out_dir`): `tokenizer/` (loads with transformers.PreTrainedTokenizerFast),
 `train-NNNNNN.tar` and `val-NNNNNN.tar` shards, `val_docs.jsonl` (held-out documents for
-evaluation), `manifest.json` (per-source provenance and counts of what each filter removed,
-sha256 per shard, tokenizer and config hashes) and `build.json` (a hash of the config, every
-input document and this stage's code). Every source is checked and everything
-computed before the first byte is written; the output is written to a temporary directory and
-swapped in whole, so a failed run never leaves a half-written shard under its final name. The
-same inputs, config and code give byte-identical output, and a rerun on them rewrites nothing.
+evaluation), `manifest.json` (sha256 per shard, tokenizer and config hashes, counts per split,
+and per source its provenance, what each filter removed and, per split, its documents, tokens
+and `sequences`: the packed samples holding at least one of its tokens -- samples mix sources,
+so these add up to more than the split's samples) and `build.json` (a hash of the config, every
+input document and the build step's code). Every source is checked and everything
+computed before the first byte of either step's output is written; each is written to a
+temporary directory and swapped in whole, so a failed run never leaves a half-written shard
+under its final name. The same inputs, config and code give byte-identical output, and a rerun
+on them rewrites nothing.
 """
 
 from __future__ import annotations
@@ -37,10 +44,12 @@ from forgeline.configs.schema import CleaningConfig, DataConfig, SourceConfig
 from forgeline.model import data as shard_format
 from forgeline.model.data import FORMAT_VERSION, MANIFEST_NAME, SAMPLE_FIELD, STARTS_FIELD
 from forgeline.model.fileio import sha256_file
-from forgeline.tasks import clean, sources
-from forgeline.tasks.atomic import replace_dir, staging_dir
+from forgeline.tasks import clean
+from forgeline.tasks import raw as raw_snapshot
+from forgeline.tasks.atomic import remove_stale_staging, replace_dir, staging_dir
 from forgeline.tasks.clean import Cleaned, Deduplicator, clean_document
-from forgeline.tasks.sources import RawDocument, preflight_sources, read_source
+from forgeline.tasks.raw import check_snapshot, load_snapshot, take_snapshot
+from forgeline.tasks.sources import RawDocument, preflight_sources
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +86,25 @@ class Packed:
     tokens: int
 
 
-def build_dataset(cfg: Config) -> DataResult:
-    """Run the whole data stage for `cfg.data`; returns what it wrote (or found up to date)."""
+def build_dataset(cfg: Config, from_snapshot: bool = False) -> DataResult:
+    """Run the data stage for `cfg.data`: the snapshot of the raw inputs (tasks/raw.py; with
+    `from_snapshot`, the one already in data.raw_dir is used), then the build from it. Returns
+    what it wrote (or found up to date)."""
+    preflight_data(cfg.data, from_snapshot)
+    if not from_snapshot:
+        take_snapshot(cfg.data)
+    return build_from_snapshot(cfg)
+
+
+def build_from_snapshot(cfg: Config) -> DataResult:
+    """The build step: the snapshot in data.raw_dir (each file checked against its sha256) to
+    the shards, tokenizer and manifest in data.out_dir, unless that output is up to date."""
     dcfg = cfg.data
-    preflight_data(dcfg)
     started = time.perf_counter()
-    raw = [doc for source in dcfg.sources for doc in read_source(source, dcfg.cleaning.max_chars)]
-    build_key = build_fingerprint(cfg, raw)
     out_dir = Path(dcfg.out_dir)
+    remove_stale_staging(out_dir)  # also when nothing is rebuilt
+    raw = load_snapshot(dcfg)
+    build_key = build_fingerprint(cfg, raw)
     if (manifest := up_to_date_manifest(out_dir, build_key)) is not None:
         log.info("data: %s is up to date (build %s); nothing rewritten", out_dir, build_key[:12])
         return data_result(out_dir, manifest, reused=True)
@@ -117,6 +137,10 @@ def build_dataset(cfg: Config) -> DataResult:
         for doc, length in zip(docs, lengths, strict=True):
             stats[doc.source][f"{split}_documents"] += 1
             stats[doc.source][f"{split}_tokens"] += int(length) + 1  # + EOS
+        covered = source_sequences([d.source for d in docs], lengths, dcfg.seq_len,
+                                   len(packed[split].samples))
+        for label, count in covered.items():
+            stats[label][f"{split}_sequences"] = count
     log.info("data: tokenizer ready, documents tokenized and packed at %.1f s", time.perf_counter() - started)
     with staging_dir(out_dir) as tmp:
         hf_tokenizer = save_tokenizer(tokenizer, dcfg.special_tokens, tmp / "tokenizer")
@@ -149,9 +173,13 @@ def build_dataset(cfg: Config) -> DataResult:
     return data_result(out_dir, manifest, reused=False)
 
 
-def preflight_data(dcfg: DataConfig) -> None:
-    """What can be checked before reading anything: every source and the tokenizer to load."""
-    preflight_sources(dcfg.sources)
+def preflight_data(dcfg: DataConfig, from_snapshot: bool = False) -> None:
+    """What can be checked before reading anything: every source (with `from_snapshot`: the
+    snapshot, intact and taken for this config) and the tokenizer to load."""
+    if from_snapshot:
+        check_snapshot(dcfg)
+    else:
+        preflight_sources(dcfg.sources)
     if dcfg.tokenizer_path:
         tokenizer_file(dcfg.tokenizer_path)
 
@@ -166,9 +194,9 @@ def data_result(out_dir: Path, manifest: dict, reused: bool) -> DataResult:
 
 def build_fingerprint(cfg: Config, raw: list[RawDocument]) -> str:
     """sha256 of everything the output depends on: the data config, every input document and
-    the code of this stage."""
+    the code of the build step (how the documents were read is in the documents)."""
     digest = hashlib.sha256(f"{FORMAT_VERSION}\n{cfg.section_hash('data')}\n".encode())
-    for module in (sys.modules[__name__], clean, sources, shard_format):
+    for module in (sys.modules[__name__], clean, raw_snapshot, shard_format):
         digest.update(Path(module.__file__).read_bytes())
     for doc in raw:
         digest.update(f"{doc.source}\0{doc.name}\0{doc.size}\0".encode())
@@ -198,7 +226,8 @@ def source_entry(source: SourceConfig) -> dict:
     return {"kind": source.kind, **where, "license": source.provenance or "unspecified",
             "weight": source.weight, "input": {"documents": 0, "bytes": 0}, "removed": {},
             "repaired_utf8": 0, "boilerplate_lines": 0, "pii_replaced": 0, "kept": 0,
-            "train_documents": 0, "train_tokens": 0, "val_documents": 0, "val_tokens": 0}
+            "train_documents": 0, "train_tokens": 0, "train_sequences": 0,
+            "val_documents": 0, "val_tokens": 0, "val_sequences": 0}
 
 
 def clean_corpus(raw: list[RawDocument], cfg: CleaningConfig, stats: dict[str, dict],
@@ -388,6 +417,28 @@ def pack(stream: np.ndarray, lengths: np.ndarray, seq_len: int, dtype: type) -> 
     starts = [(doc_starts[a:b] - i * seq_len).astype(np.int32)
               for i, (a, b) in enumerate(zip(lo, hi, strict=True))]
     return Packed(stream[index].astype(dtype), starts, len(stream))
+
+
+def source_sequences(sources: list[str], lengths: np.ndarray, seq_len: int,
+                     num_samples: int) -> dict[str, int]:
+    """Per source, how many of the `num_samples` packed samples hold at least one of its tokens,
+    from the documents' sources and token counts in stream order. Document i (its tokens and
+    EOS) spans stream positions [b, e); sample j holds positions [j*seq_len, j*seq_len + seq_len],
+    so it overlaps the document for ceil(b/seq_len) - 1 <= j <= (e-1)//seq_len. Samples mix
+    sources: the counts of all sources add up to at least the number of samples."""
+    sizes = np.asarray(lengths, dtype=np.int64) + 1
+    ends = np.cumsum(sizes)
+    first = np.maximum(-(-(ends - sizes) // seq_len) - 1, 0)
+    last = np.minimum((ends - 1) // seq_len, num_samples - 1)  # < first: only in the dropped tail
+    labels = np.array(sources)
+    counts = {}
+    for label in dict.fromkeys(sources):
+        mine = (labels == label) & (first <= last)
+        coverage = np.zeros(num_samples + 1, np.int64)  # +1 where a document's samples begin, -1 after
+        np.add.at(coverage, first[mine], 1)
+        np.add.at(coverage, last[mine] + 1, -1)
+        counts[label] = int((np.cumsum(coverage[:-1]) > 0).sum())
+    return counts
 
 
 def npy_bytes(array: np.ndarray) -> bytes:

@@ -27,8 +27,9 @@ from forgeline.tasks.train import TrainResult
 
 
 @task(name="data", cache_policy=NO_CACHE)
-def data_task(cfg: Config, parent_run_id: str | None = None, force: bool = False) -> DataResult:
-    return run_data_stage(cfg, parent_run_id, force)
+def data_task(cfg: Config, parent_run_id: str | None = None, force: bool = False,
+              from_snapshot: bool = False) -> DataResult:
+    return run_data_stage(cfg, parent_run_id, force, from_snapshot)
 
 
 @task(name="train", cache_policy=NO_CACHE)

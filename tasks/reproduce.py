@@ -70,8 +70,9 @@ def check_code_version(recorded: Recorded) -> None:
 
 
 def output_overrides(root: Path) -> list[str]:
-    return [f"{section}.out_dir={root / name}" for section, name in
-            (("data", "data"), ("train", "train"), ("eval", "eval"), ("registry", "register"))]
+    outputs = [f"{section}.out_dir={root / name}" for section, name in
+               (("data", "data"), ("train", "train"), ("eval", "eval"), ("registry", "register"))]
+    return [*outputs, f"data.raw_dir={root / 'raw'}"]
 
 
 def compare(recorded: Recorded, data_md5: str, scores: dict[str, float], tolerance: float) -> list[Check]:

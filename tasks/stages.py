@@ -16,7 +16,7 @@ from forgeline.model.parallel import resolve_precision
 from forgeline.tasks import STAGES
 from forgeline.tasks.cache import out_dir_tag, outputs_tag, run_cached
 from forgeline.tasks.curves import LOSS_PLOT, write_loss_curve
-from forgeline.tasks.data import DataResult, build_dataset, preflight_data
+from forgeline.tasks.data import DataResult, build_from_snapshot, preflight_data
 from forgeline.tasks.evaluate import (
     METRICS_NAME,
     EvalResult,
@@ -26,11 +26,13 @@ from forgeline.tasks.evaluate import (
     read_eval_metrics,
 )
 from forgeline.tasks.promote import promote
+from forgeline.tasks.raw import SOURCES_NAME, take_snapshot
 from forgeline.tasks.register import RegisterResult, register_model
 from forgeline.tasks.tracking import RunTracker, dvc_hash, resolve_tracking_uri, tracked_run
 from forgeline.tasks.train import SUMMARY_NAME, TrainResult, read_train_summary, train_model
 
 DATA_VERSION_TAG = "forgeline.data.dvc_md5"
+RAW_VERSION_TAG = "forgeline.data.raw_dvc_md5"  # the raw snapshot the data was built from
 DATASET_NAME = "forgeline-data"  # the MLflow dataset; its digest is the DVC hash of data.out_dir
 UPSTREAM_RUN_TAG = "forgeline.upstream_run"
 UPSTREAM = {stage: STAGES[:index] for index, stage in enumerate(STAGES)}
@@ -49,13 +51,14 @@ def stage_output_marker(stage: str, cfg: Config) -> Path:
     }[stage]
 
 
-def preflight(cfg: Config, stages: tuple[str, ...]) -> None:
+def preflight(cfg: Config, stages: tuple[str, ...], from_snapshot: bool = False) -> None:
     """What can be checked before any work when `stages` run in order: the first one's
-    upstream outputs exist, every data source and a tokenizer to load are readable, the
-    training precision suits this machine, the eval tasks exist."""
+    upstream outputs exist, every data source (or, for a data stage `from_snapshot`, the raw
+    snapshot) and a tokenizer to load are readable, the training precision suits this machine,
+    the eval tasks exist."""
     check_stage_inputs(stages[0], cfg)
     if "data" in stages:
-        preflight_data(cfg.data)
+        preflight_data(cfg.data, from_snapshot)
     if "train" in stages:
         resolve_precision(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
     if "eval" in stages:
@@ -98,18 +101,26 @@ def _on_parent(cfg: Config, parent_run_id: str | None) -> RunTracker | None:
     return RunTracker(MlflowClient(resolve_tracking_uri(cfg)), parent_run_id)
 
 
-def run_data_stage(cfg: Config, parent_run_id: str | None = None, force: bool = False) -> DataResult:
+def run_data_stage(cfg: Config, parent_run_id: str | None = None, force: bool = False,
+                   from_snapshot: bool = False) -> DataResult:
+    """The snapshot of the raw inputs -- taken on every run, like dvc.yaml's always-changed
+    `sources` stage; with `from_snapshot` the one in data.raw_dir is used -- then the build
+    from it, skipped when the snapshot, config and code are an earlier run's (stage caching)."""
+    preflight_data(cfg.data, from_snapshot)
     parent = _on_parent(cfg, parent_run_id)
     with tracked_run(cfg, "data", parent_run_id) as run:
-        result = run_cached("data", cfg, run, parent, DataResult, lambda: build_dataset(cfg), force)
+        if not from_snapshot:
+            take_snapshot(cfg.data)
+        result = run_cached("data", cfg, run, parent, DataResult, lambda: build_from_snapshot(cfg), force)
         metrics = {"documents": result.documents, "train_tokens": result.train_tokens,
                    "train_samples": result.train_samples, "val_samples": result.val_samples}
         lineage = {DATA_VERSION_TAG: dvc_hash(result.out_dir),
                    "forgeline.data.manifest_sha256": result.manifest_sha256}
         run.log_metrics(metrics)
-        run.set_tags(lineage)
+        run.set_tags({**lineage, RAW_VERSION_TAG: dvc_hash(cfg.data.raw_dir)})
         run.log_dataset(DATASET_NAME, result.out_dir, lineage[DATA_VERSION_TAG], "output")
         run.log_artifact(Path(result.out_dir) / MANIFEST_NAME, "data")
+        run.log_artifact(Path(cfg.data.raw_dir) / SOURCES_NAME, "data")
         run.log_artifact(Path(result.out_dir) / "tokenizer", "data/tokenizer")
         if parent:
             parent.set_tags(lineage)

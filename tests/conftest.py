@@ -16,6 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def output_overrides(root: Path) -> list[str]:
     return [
         f"data.out_dir={root / 'data'}",
+        f"data.raw_dir={root / 'raw'}",
         f"train.out_dir={root / 'train'}",
         f"eval.out_dir={root / 'eval'}",
         f"registry.out_dir={root / 'register'}",

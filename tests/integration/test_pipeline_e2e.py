@@ -64,6 +64,9 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     assert "overall" in eval_metrics and "eval/overall" in parent.data.metrics
     assert "Eval (chance-normalized, 0 = chance, 1 = best): overall" in done.stdout
     assert by_name["data"].data.metrics["train_samples"] == manifest["splits"]["train"]["samples"]
+    # ... built from the raw snapshot its run records.
+    assert by_name["data"].data.tags["forgeline.data.raw_dvc_md5"] == dvc_hash(tmp_path / "artifacts" / "raw")
+    assert "data/sources.json" in {a.path for a in client.list_artifacts(by_name["data"].info.run_id, "data")}
 
     # Registry: version 1 with lineage and scores, alias `candidate`, and it generates text.
     version = client.get_model_version("forgeline-debug", "1")

@@ -1,6 +1,7 @@
 """Stage caching on the data stage against a real MLflow store: a rerun with nothing changed is
-skipped and returns the earlier result; a changed config section, a modified output or --force
-makes it run again, and each decision is recorded on the stage's MLflow run."""
+skipped and returns the earlier result; a changed config section, a changed source file (through
+the raw snapshot taken on every run), a modified output or --force makes it run again, and each
+decision is recorded on the stage's MLflow run."""
 
 from __future__ import annotations
 
@@ -59,3 +60,8 @@ def test_the_data_stage_is_skipped_only_while_inputs_and_outputs_are_unchanged(t
     assert last_data_run(cfg).data.tags[f"{CACHE_TAG}.reason"] == "--force"
     run_data_stage(changed)
     assert last_data_run(cfg).data.tags[CACHE_TAG] == "hit"
+
+    # A source file changes, the config does not: the raw snapshot, taken on every run, changes.
+    (tmp_path / "corpus" / "0.txt").write_text("Document 0, rewritten. " + "Words upon words. " * 60)
+    run_data_stage(changed)
+    assert last_data_run(cfg).data.tags[f"{CACHE_TAG}.reason"] == "changed: raw"

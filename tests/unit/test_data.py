@@ -1,6 +1,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 
 from forgeline.model.data import MANIFEST_NAME, read_manifest, read_shard, split_shards
 from forgeline.model.fileio import sha256_file
-from forgeline.tasks.data import build_dataset
+from forgeline.tasks.data import build_dataset, source_sequences
 from forgeline.tasks.sources import read_shakespeare
 from tests.conftest import REPO_ROOT, debug_config
 
@@ -56,6 +57,32 @@ def test_manifest_describes_verified_shards(data_root: Path) -> None:
     assert manifest["tokenizer"]["sha256"] == sha256_file(data_dir / "tokenizer" / "tokenizer.json")
     assert manifest["sources"]["shakespeare"]["kept"] == (
         manifest["splits"]["train"]["documents"] + manifest["splits"]["val"]["documents"])
+
+
+def test_sequences_per_source_count_the_samples_holding_its_tokens() -> None:
+    # seq_len 4; documents a (3 tokens), b (0), a (5), c (0), each followed by EOS: stream
+    # positions a 0-3, b 4, a 5-10, c 11. Samples of 5 tokens with stride 4: positions 0-4 and
+    # 4-8 (b's EOS is in both); 9-11 make no full sample.
+    counts = source_sequences(["a", "b", "a", "c"], np.array([3, 0, 5, 0]), seq_len=4, num_samples=2)
+    assert counts == {"a": 2, "b": 2, "c": 0}
+    # Against counting the samples directly, on random documents.
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 40, 300)
+    sources = [f"s{i}" for i in rng.integers(0, 4, 300)]
+    owner = np.repeat(np.array(sources), lengths + 1)  # the source of every stream position
+    seq_len = 16
+    num_samples = (len(owner) - 1) // seq_len
+    direct = {label: sum(label in owner[j * seq_len: j * seq_len + seq_len + 1] for j in range(num_samples))
+              for label in dict.fromkeys(sources)}
+    assert source_sequences(sources, lengths, seq_len, num_samples) == direct
+
+
+def test_manifest_counts_the_sequences_of_each_source(data_root: Path) -> None:
+    manifest = read_manifest(data_root / "data")
+    for split in ("train", "val"):
+        samples = manifest["splits"][split]["samples"]
+        counts = [entry[f"{split}_sequences"] for entry in manifest["sources"].values()]
+        assert counts == [samples]  # one source: in every sample
 
 
 def test_tokenizer_loads_in_transformers_and_round_trips(data_root: Path) -> None:
@@ -154,4 +181,8 @@ def test_killed_while_writing_shards_leaves_the_previous_output_intact(tmp_path:
         os.killpg(writer.pid, signal.SIGKILL)
         writer.wait()
     assert {p.name: sha256_file(p) for p in data_dir.rglob("*") if p.is_file()} == before
+    # Its staging directory stays behind, named after it, until the next run removes it.
+    [stale] = tmp_path.glob(".data.tmp-*")
+    assert stale.name.startswith(f".data.tmp-{socket.gethostname()}-{writer.pid}-")
     assert build_dataset(files_config(tmp_path, corpus)).reused
+    assert not stale.exists()

@@ -72,6 +72,10 @@ def test_every_source_format_is_read_and_attributed(tmp_path: Path) -> None:
         assert entry["train_documents"] + entry["val_documents"] == entry["kept"]
     train_tokens = sum(e["train_tokens"] for e in manifest["sources"].values())
     assert train_tokens == manifest["splits"]["train"]["tokens"]
+    for split in ("train", "val"):  # samples mix sources: each counts those holding its tokens
+        samples = manifest["splits"][split]["samples"]
+        counts = {name: entry[f"{split}_sequences"] for name, entry in manifest["sources"].items()}
+        assert counts["hf-builder"] == 0 and max(counts.values()) <= samples < sum(counts.values())
 
 
 def test_packaged_code_corpus_is_the_stdlib_without_tests(tmp_path: Path) -> None:
