@@ -92,7 +92,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as scratch:
         workdir = Path(scratch)
-        cfg = load_config(args.config, [f"data.out_dir={workdir / 'data'}"])
+        cfg = load_config(args.config, [f"data.out_dir={workdir / 'data'}",
+                                        f"data.raw_dir={workdir / 'raw'}"])
         plan = {name: ([s.task for s in scores], args.limit or dcfg.limit, dcfg.num_fewshot)
                 for name, (scores, dcfg) in plan_tasks(cfg.eval).items()}
         build_dataset(cfg)

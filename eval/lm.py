@@ -35,6 +35,7 @@ from forgeline.model.inference import generate_batch, load_bundle, load_from_che
 log = logging.getLogger(__name__)
 
 Request = tuple[tuple[str, str] | None, list[int], list[int]]
+SCORE_CHUNK = 512  # positions whose logits are computed and reduced together
 
 
 @dataclass
@@ -255,8 +256,14 @@ class ForgelineLM(TemplateLM):
                 targets += requests[index][2]
                 lengths.append(len(predicting))
                 indices.append(index)
-        logits = self._logits(hidden.flatten(0, 1)[torch.tensor(picked, device=self.device)])  # (N, V)
-        logprobs, greedy = score_tokens(logits, torch.tensor(targets, device=self.device))
+        states = hidden.flatten(0, 1)[torch.tensor(picked, device=self.device)]  # (N, C)
+        # Projected and scored a slice at a time: the logits held at once stay small whatever the
+        # vocabulary (16 rows of 512 tokens with a 128k vocabulary would be 4 GB in fp32), and a
+        # slice's logits are still in the CPU's caches when the reductions read them.
+        target_ids = torch.tensor(targets, device=self.device)
+        scored = [score_tokens(self._logits(chunk), chunk_targets) for chunk, chunk_targets in zip(
+            states.split(SCORE_CHUNK), target_ids.split(SCORE_CHUNK), strict=True)]
+        logprobs, greedy = torch.cat([s[0] for s in scored]), torch.cat([s[1] for s in scored])
         for index, logprob, chosen in zip(indices, logprobs.split(lengths), greedy.split(lengths),
                                           strict=True):
             yield index, (float(logprob.sum()), bool(chosen.all()))
