@@ -163,9 +163,9 @@ def verified_bytes(raw_dir: Path, entry: dict) -> bytes:
     path = raw_dir / entry["file"]
     data = path.read_bytes() if path.is_file() else None
     if data is None or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        state = "is missing" if data is None else "is damaged: its sha256 differs from"
-        raise SnapshotError(f"{path} {state} the {entry['sha256']} recorded in "
-                            f"{raw_dir / SOURCES_NAME}; {RETAKE}")
+        state = "is missing" if data is None else "is damaged: its sha256 differs from the one"
+        raise SnapshotError(f"{path} {state} ({raw_dir / SOURCES_NAME} records sha256 "
+                            f"{entry['sha256']}); {RETAKE}")
     return data
 
 
