@@ -9,7 +9,8 @@ Loads a checkpoint of any parallel layout, an inference bundle or a Hugging Face
 directory into one process. Scoring packs several requests into each row of a batch, kept apart
 by the attention mask, so the model computes real tokens instead of padding; a context shared by
 several requests (the choices of a multiple-choice item) is computed once, their continuations
-branching off its end. Generation is batched with a KV cache.
+branching off its end. Generation is batched with a KV cache. On the CPU the linear layers run
+on weights packed once for oneDNN (model/inference.py, pack_linears).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast
 
 from forgeline.model.hf import import_hf
-from forgeline.model.inference import generate_batch, load_bundle, load_from_checkpoint
+from forgeline.model.inference import generate_batch, load_bundle, load_from_checkpoint, pack_linears
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ class ForgelineLM(TemplateLM):
         else:
             model, _ = import_hf(hf, device=device)
         super().__init__()
-        self.model = model
+        self.model = pack_linears(model)
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(Path(tokenizer)))
         self._device = torch.device(device)
         self.batch_size = int(batch_size)

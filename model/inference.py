@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from forgeline.model.checkpoint import load_model_weights, read_checkpoint_manifest
 from forgeline.model.llama import KVCache, ModelArgs, Transformer
@@ -46,6 +47,37 @@ def load_bundle(bundle_dir: str | Path, device: torch.device | str = "cpu") -> T
     model = _materialized(args, device)
     model.load_state_dict(load_file(bundle_dir / BUNDLE_WEIGHTS, device=str(device)))
     return model.eval()
+
+
+class PackedLinear(nn.Module):
+    """An nn.Linear for inference on the CPU computed by oneDNN with its weight reordered once
+    into oneDNN's blocked layout, rather than by the default (MKL) GEMM on the plain weight.
+    On the 2-core AVX-512 machine of the README's results: the tiny model's vocabulary
+    projection at the 10 rows of a decoding step 2.7x faster, whole-sequence forwards ~10%
+    (bench/eval). Results are the plain layer's to fp32 rounding. The original weight stays,
+    so the state dict (and an export from it) is unchanged; the packed copy is taken once, so
+    pack after the weights are final."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> nn.Module:
+    """Make `model` (inference only: the packed layers have no backward) use PackedLinear for
+    its fp32 linear layers where it runs on a CPU with oneDNN; elsewhere leave it as it is."""
+    if not torch.backends.mkldnn.is_available():
+        return model
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if (isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
+                    and child.weight.dtype == torch.float32):
+                setattr(module, name, PackedLinear(child))
+    return model
 
 
 @torch.no_grad()

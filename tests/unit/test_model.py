@@ -1,6 +1,8 @@
+import pytest
 import torch
+from torch import nn
 
-from forgeline.model.inference import generate_batch
+from forgeline.model.inference import PackedLinear, generate_batch, pack_linears
 from forgeline.model.llama import KVCache, ModelArgs, Transformer
 from forgeline.model.metrics import straggler
 
@@ -60,6 +62,20 @@ def test_greedy_generation_is_deterministic_and_stops() -> None:
     assert len(first) == 8
     assert generate(model, [1, 2, 3], max_new_tokens=8, stop=lambda row, new: len(new) == 3) == first[:3]
     assert generate(model, [1, 2, 3], max_new_tokens=8, stop_token=first[0]) == []
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="packing needs oneDNN")
+@torch.no_grad()
+def test_packed_linears_compute_what_the_plain_ones_do() -> None:
+    model = build().eval()
+    tokens = torch.randint(0, 97, (3, 16))
+    logits, continuation, state = model(tokens), generate(model, [1, 2, 3], 8), model.state_dict()
+    assert pack_linears(model) is model
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 2 * 7 + 1
+    torch.testing.assert_close(model(tokens), logits, rtol=1e-5, atol=1e-5)
+    assert generate(model, [1, 2, 3], 8) == continuation
+    assert model.state_dict().keys() == state.keys()  # exports and checkpoints see the same model
 
 
 def test_training_flops_count_matmuls_and_attention() -> None:
