@@ -147,12 +147,13 @@ class PackedRows:
         return (same_sequence & earlier & context_or_own | itself)[:, None]
 
 
-def score_tokens(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor,
+                 greedy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per position of `logits` (N, V): the log-probability of its target (N,) -- the target
-    logit minus the logsumexp, without materializing an (N, V) log-softmax -- and whether the
-    target is the greedy choice."""
+    logit minus the logsumexp, without materializing an (N, V) log-softmax -- and, if `greedy`,
+    whether the target is the greedy choice (another pass over the logits)."""
     logprobs = logits.gather(-1, targets[:, None])[:, 0] - logits.logsumexp(-1)
-    return logprobs, logits.argmax(-1) == targets
+    return logprobs, logits.argmax(-1) == targets if greedy else None
 
 
 def usable_device(requested: str) -> str:
@@ -202,17 +203,18 @@ class ForgelineLM(TemplateLM):
 
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False,
-                              **kwargs) -> list[tuple[float, bool]]:
+                              greedy: bool = True, **kwargs) -> list[tuple[float, bool]]:
         """Sum of log-probabilities of each continuation given its context, and whether greedy
-        decoding would produce it. Requests become sequences packed several to a row with a
-        mask that keeps them apart, so the model computes real tokens rather than padding:
-        requests sharing a context (the choices of a multiple-choice item) share one copy of it,
-        with their continuations branching off its end; the others (document windows, inputs
-        cut to max_length) each compute their input once."""
+        decoding would produce it (with greedy=False: not checked, reported False). Requests
+        become sequences packed several to a row with a mask that keeps them apart, so the model
+        computes real tokens rather than padding: requests sharing a context (the choices of a
+        multiple-choice item) share one copy of it, with their continuations branching off its
+        end; the others (document windows, inputs cut to max_length) each compute their input
+        once."""
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         progress = tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood")
         for batch in pack_rows(self._sequences(requests), self.batch_size):
-            for index, score in self._score_packed(requests, batch):
+            for index, score in self._score_packed(requests, batch, greedy):
                 results[index] = score
             progress.update(sum(len(sequence.scored) for row in batch for sequence in row))
         progress.close()
@@ -241,8 +243,8 @@ class ForgelineLM(TemplateLM):
                 sequence.scored.append((index, list(range(len(inputs) - len(continuation), len(inputs)))))
         return sequences
 
-    def _score_packed(self, requests: list[Request],
-                      batch: list[list[Sequence]]) -> Iterator[tuple[int, tuple[float, bool]]]:
+    def _score_packed(self, requests: list[Request], batch: list[list[Sequence]],
+                      greedy: bool) -> Iterator[tuple[int, tuple[float, bool]]]:
         """One forward of the packed rows; logits only where a continuation token is predicted."""
         rows = PackedRows.of(batch)
         # Rows of one plain sequence each are ordinary causal inputs (padding only at their ends).
@@ -262,10 +264,12 @@ class ForgelineLM(TemplateLM):
         # vocabulary (16 rows of 512 tokens with a 128k vocabulary would be 4 GB in fp32), and a
         # slice's logits are still in the CPU's caches when the reductions read them.
         target_ids = torch.tensor(targets, device=self.device)
-        scored = [score_tokens(self._logits(chunk), chunk_targets) for chunk, chunk_targets in zip(
+        scored = [score_tokens(self._logits(chunk), chunk_targets, greedy) for chunk, chunk_targets in zip(
             states.split(SCORE_CHUNK), target_ids.split(SCORE_CHUNK), strict=True)]
-        logprobs, greedy = torch.cat([s[0] for s in scored]), torch.cat([s[1] for s in scored])
-        for index, logprob, chosen in zip(indices, logprobs.split(lengths), greedy.split(lengths),
+        logprobs = torch.cat([s[0] for s in scored])
+        chosen_tokens = (torch.cat([s[1] for s in scored]) if greedy
+                         else torch.zeros_like(logprobs, dtype=torch.bool))
+        for index, logprob, chosen in zip(indices, logprobs.split(lengths), chosen_tokens.split(lengths),
                                           strict=True):
             yield index, (float(logprob.sum()), bool(chosen.all()))
 
@@ -293,7 +297,9 @@ class ForgelineLM(TemplateLM):
                 windows.append((None, context, continuation))
                 owners.append(index)
         totals = [0.0] * len(requests)
-        for owner, (score, _) in zip(owners, self._loglikelihood_tokens(windows, disable_tqdm), strict=True):
+        # Only the sums count here: no greedy check (an argmax over the vocabulary per token).
+        scores = self._loglikelihood_tokens(windows, disable_tqdm, greedy=False)
+        for owner, (score, _) in zip(owners, scores, strict=True):
             totals[owner] += score
         for request, total in zip(requests, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
