@@ -6,14 +6,18 @@ reading order -- `name`, `size` (bytes) and `data`: its bytes as text decoded wi
 judge (`null` for a document too large to read, see `SourceConfig`) -- and `sources.json`: per
 source its config, provenance (the version of the package a packaged corpus ships in, the
 Python version of the standard library, the dataset, the glob and the packages recorded in a
-`VERSIONS` file above it, as `make corpus` writes), licence, document count and the sha256 of
-its file; and the hash of the config the snapshot was taken for: `data.sources` and
-`data.cleaning.max_chars` (which decides which documents are too large to read).
+`VERSIONS` file above it, as `make corpus` writes), licence, document count, the sha256 of its
+file and of the lines it holds uncompressed; and the hash of the config the snapshot was taken
+for: `data.sources` and `data.cleaning.max_chars` (which decides which documents are too large
+to read).
 
-The bytes depend on the documents alone (fixed order, gzip without a timestamp), and a snapshot
-identical to the one on disk is not rewritten, so DVC's hash of the directory, and its files'
-mtimes, stay put while the inputs do. The second step (`tasks/data.py`) builds from the
-snapshot after checking every file against its sha256.
+The lines depend on the documents alone (fixed order), and gzip is written without a timestamp.
+A source whose lines are those the snapshot already holds keeps its compressed file as it is --
+whichever zlib wrote it, so a machine with another zlib version sees an unchanged snapshot too,
+and the file is not compressed again -- and a snapshot identical to the one on disk is not
+rewritten, so DVC's hash of the directory, and its files' mtimes, stay put while the inputs do.
+The second step (`tasks/data.py`) builds from the snapshot after checking every file against its
+sha256.
 """
 
 from __future__ import annotations
@@ -74,13 +78,17 @@ def take_snapshot(dcfg: DataConfig) -> Snapshot:
     """Read every source (after `preflight_data`) and write `dcfg.raw_dir` unless it already
     holds exactly these bytes. Nothing is written if a source fails to read."""
     raw_dir = Path(dcfg.raw_dir)
+    held = held_lines(raw_dir)
     files, entries, documents = {}, [], 0
     for source in dcfg.sources:
         docs = list(read_source(source, dcfg.cleaning.max_chars))
         name = source_file(source.label)
-        files[name] = gzip.compress(b"".join(document_line(doc) for doc in docs), GZIP_LEVEL, mtime=0)
+        lines = b"".join(document_line(doc) for doc in docs)
+        lines_sha256 = hashlib.sha256(lines).hexdigest()
+        files[name] = held.get((name, lines_sha256)) or gzip.compress(lines, GZIP_LEVEL, mtime=0)
         entries.append({"label": source.label, "file": name,
-                        "sha256": hashlib.sha256(files[name]).hexdigest(), "documents": len(docs),
+                        "sha256": hashlib.sha256(files[name]).hexdigest(), "lines_sha256": lines_sha256,
+                        "documents": len(docs),
                         "bytes": sum(doc.size for doc in docs),
                         "unread": sum(doc.data is None for doc in docs),
                         "license": source.provenance or "unspecified", "provenance": provenance(source),
@@ -105,6 +113,23 @@ def document_line(doc: RawDocument) -> bytes:
     text = None if doc.data is None else doc.data.decode("utf-8", errors="surrogateescape")
     # ensure_ascii: lone surrogates (the invalid bytes) become \udcXX escapes, the file stays ASCII
     return (json.dumps({"name": doc.name, "size": doc.size, "data": text}) + "\n").encode()
+
+
+def held_lines(raw_dir: Path) -> dict[tuple[str, str], bytes]:
+    """The compressed files of the snapshot in `raw_dir` that still match their recorded sha256,
+    keyed by file name and the sha256 of their lines; none without a readable sources.json."""
+    try:
+        entries = json.loads((raw_dir / SOURCES_NAME).read_text())["sources"]
+        recorded = [(entry["file"], entry["lines_sha256"], entry["sha256"]) for entry in entries]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    held = {}
+    for name, lines_sha256, sha256 in recorded:
+        path = raw_dir / Path(str(name)).name
+        data = path.read_bytes() if path.is_file() else b""
+        if hashlib.sha256(data).hexdigest() == sha256:
+            held[name, lines_sha256] = data
+    return held
 
 
 def holds_exactly(directory: Path, files: dict[str, bytes]) -> bool:

@@ -4,6 +4,7 @@ was read, provenance per source, and a build from it that fails up front, naming
 it is missing, damaged or was taken for another config."""
 
 import gzip
+import hashlib
 import json
 import platform
 import shutil
@@ -16,6 +17,7 @@ from forgeline.flows.cli import main
 from forgeline.model.fileio import sha256_file
 from forgeline.tasks.data import build_dataset
 from forgeline.tasks.raw import (
+    GZIP_LEVEL,
     SOURCES_NAME,
     SnapshotError,
     check_snapshot,
@@ -94,6 +96,31 @@ def test_snapshots_are_byte_identical_and_an_unchanged_one_is_not_rewritten(tmp_
     assert changed[source_file("odd files")] != unchanged[source_file("odd files")]
 
 
+def test_a_source_with_the_same_lines_keeps_the_compressed_file_another_zlib_wrote(tmp_path: Path) -> None:
+    cfg = config(tmp_path, corpus(tmp_path / "docs"))
+    take_snapshot(cfg.data)
+    raw = Path(cfg.data.raw_dir)
+    # As if another zlib (here: another level) had compressed the same lines.
+    path = raw / "shakespeare.jsonl.gz"
+    other = gzip.compress(gzip.decompress(path.read_bytes()), 1, mtime=0)
+    assert other != path.read_bytes()
+    index = json.loads((raw / SOURCES_NAME).read_text())
+    entry = next(entry for entry in index["sources"] if entry["file"] == path.name)
+    entry["sha256"] = hashlib.sha256(other).hexdigest()
+    path.write_bytes(other)
+    (raw / SOURCES_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    before = files_of(raw)
+
+    assert not take_snapshot(cfg.data).written
+    assert files_of(raw) == before
+    check_snapshot(cfg.data)
+
+    path.write_bytes(other[:-1] + b"?")  # damaged: compressed anew from the source
+    assert take_snapshot(cfg.data).written
+    assert path.read_bytes() == gzip.compress(gzip.decompress(other), GZIP_LEVEL, mtime=0)
+    check_snapshot(cfg.data)
+
+
 def test_sources_json_records_provenance_and_checksums(tmp_path: Path) -> None:
     docs = corpus(tmp_path / "corpus" / "root" / "docs")
     (tmp_path / "corpus" / "VERSIONS").write_text("linux-doc-6.1=6.1.158-1\npython3.11-doc=3.11.2-6\n")
@@ -111,6 +138,8 @@ def test_sources_json_records_provenance_and_checksums(tmp_path: Path) -> None:
     assert "public domain" in shakespeare["license"]
     for entry in index["sources"]:
         assert sha256_file(raw / entry["file"]) == entry["sha256"]
+        lines = gzip.decompress((raw / entry["file"]).read_bytes())
+        assert hashlib.sha256(lines).hexdigest() == entry["lines_sha256"]
     assert provenance(SourceConfig(kind="stdlib"))["python"] == platform.python_version()
     assert provenance(SourceConfig(kind="hf", dataset="json", data_files=["a.jsonl"])) == {
         "dataset": "json", "data_files": ["a.jsonl"], "split": "train"}
