@@ -1,8 +1,10 @@
-"""All-or-nothing directory outputs: build under a temporary name, then swap in whole.
+"""All-or-nothing outputs: a directory built under a temporary name, then swapped in whole; a
+file written to a temporary file, then renamed over it.
 
-Temporary and replaced directories are named after their owner, `.NAME.tmp-<host>-<pid>-XXXX`
-and `.NAME.old-<host>-<pid>`, so that the ones a killed process left behind can be told from
-those of a process still at work (on this host or, on a shared filesystem, another one).
+Temporary files and directories and replaced directories are named after their owner,
+`.NAME.tmp-<host>-<pid>-XXXX` and `.NAME.old-<host>-<pid>`, so that the ones a killed process
+left behind can be told from those of a process still at work (on this host or, on a shared
+filesystem, another one), and the next writer of NAME removes them.
 """
 
 from __future__ import annotations
@@ -65,7 +67,10 @@ def remove_stale_staging(final: Path) -> list[Path]:
             continue
         if match["old"] and not final.exists():
             continue  # a swap cut short between its two renames: this is the only copy left
-        shutil.rmtree(path, ignore_errors=True)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:  # a file's temporary file (write_text_atomic)
+            path.unlink(missing_ok=True)
         removed.append(path)
     return removed
 
@@ -86,14 +91,20 @@ def _alive(pid: int) -> bool:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `path` whole or not at all; concurrent writers (launchers of several nodes on a
-    shared filesystem) each rename their own temporary file."""
+    shared filesystem) each rename their own temporary file. A failed write removes its
+    temporary file; a killed writer's goes with the next write (`remove_stale_staging`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    remove_stale_staging(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{_owner()}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def fsync_tree(root: Path) -> None:

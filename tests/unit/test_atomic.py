@@ -1,5 +1,6 @@
-"""Directory outputs swapped in whole: what a SIGKILLed writer leaves behind is named after its
-owner and removed by the next writer, never another host's or a live process's."""
+"""Directory outputs swapped in whole and files renamed in whole: what a SIGKILLed writer leaves
+behind is named after its owner and removed by the next writer, never another host's or a live
+process's."""
 
 import os
 import signal
@@ -8,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from forgeline.tasks.atomic import replace_dir, staging_dir
+import pytest
+
+from forgeline.tasks.atomic import replace_dir, staging_dir, write_text_atomic
 from tests.conftest import REPO_ROOT
 
 HOST = socket.gethostname()
@@ -62,3 +65,19 @@ def test_a_replaced_directory_left_behind_goes_only_once_the_output_is_back(tmp_
         replace_dir(tmp, final)
     with staging_dir(final):  # killed after the swap, before removing the old one: garbage
         assert not old.exists()
+
+
+def test_a_file_write_leaves_no_temporary_file_behind(tmp_path: Path) -> None:
+    summary = tmp_path / "summary.json"
+    write_text_atomic(summary, "{}\n")
+    with pytest.raises(UnicodeEncodeError):
+        write_text_atomic(summary, "a lone surrogate \udcff")  # fails mid-write
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"] and summary.read_text() == "{}\n"
+
+    _, dead = killed_mid_write(tmp_path / "elsewhere" / "out")
+    stale = tmp_path / f".summary.json.tmp-{HOST}-{dead}-abcd1234"
+    live = tmp_path / f".summary.json.tmp-{HOST}-{os.getpid()}-abcd1234"
+    for path in (stale, live):
+        path.write_text("half")
+    write_text_atomic(summary, "{\"done\": true}\n")
+    assert not stale.exists() and live.exists() and summary.read_text() == "{\"done\": true}\n"
