@@ -115,7 +115,7 @@ class KVCache:
         self.mask = None
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep (or repeat) batch rows: e.g. one prompt's cache for each of its continuations."""
+        """Keep these batch rows, in this order: e.g. drop the rows that finished decoding."""
         self.keys = {k: v.index_select(0, rows) for k, v in self.keys.items()}
         self.values = {k: v.index_select(0, rows) for k, v in self.values.items()}
         self.valid = self.valid.index_select(0, rows)
