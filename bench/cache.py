@@ -18,13 +18,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from mlflow import MlflowClient
-from results_file import write_results  # bench/, the script's own directory
+from forgeline.configs.environment import apply_environment_defaults
 
-import forgeline.tasks  # noqa: F401  (forgeline's env defaults)
-from forgeline.configs import load_config
-from forgeline.tasks import STAGES
-from forgeline.tasks.cache import CACHE_TAG
+apply_environment_defaults()  # before MLflow is imported
+
+from mlflow import MlflowClient  # noqa: E402
+from results_file import write_results  # noqa: E402  (bench/, the script's own directory)
+
+from forgeline.configs import load_config  # noqa: E402
+from forgeline.tasks.cache import CACHE_TAG  # noqa: E402
+from forgeline.tasks.stage import STAGE_NAMES  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -65,7 +68,7 @@ def main() -> None:
     first_s, first_id = timed_run(config, workdir)
     second_s, second_id = timed_run(config, workdir)
     states = stage_cache_states(workdir, config, second_id)
-    if states != dict.fromkeys(STAGES, "hit"):
+    if states != dict.fromkeys(STAGE_NAMES, "hit"):
         sys.exit(f"the second run did not skip every stage: {states}")
     write_results("cache", {
         "config": args.config,

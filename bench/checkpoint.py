@@ -22,25 +22,28 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from mlflow import MlflowClient
-from results_file import write_results  # bench/, the script's own directory
+from forgeline.configs.environment import apply_environment_defaults
 
-import forgeline.tasks  # noqa: F401  (forgeline's env defaults)
-from forgeline.configs.schema import CheckpointConfig
-from forgeline.model.checkpoint import CheckpointManager, ModelState, OptimizerState
-from forgeline.model.llama import ModelArgs, Transformer
-from forgeline.tasks.data import build_dataset
-from forgeline.tasks.tracking import experiment_id, resolve_tracking_uri
-from forgeline.tasks.train import train_model
+apply_environment_defaults()  # before torch and MLflow are imported
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from mlflow import MlflowClient  # noqa: E402
+from results_file import write_results  # noqa: E402  (bench/, the script's own directory)
+
+from forgeline.configs.schema import CheckpointConfig, ModelConfig  # noqa: E402
+from forgeline.model.checkpoint.manager import CheckpointManager, ModelState, OptimizerState  # noqa: E402
+from forgeline.model.llama import Transformer  # noqa: E402
+from forgeline.tasks.data.build import build_dataset  # noqa: E402
+from forgeline.tasks.tracking import experiment_id, resolve_tracking_uri  # noqa: E402
+from forgeline.tasks.train.job import train_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def training_state(args: ModelArgs) -> dict:
+def training_state(shape: ModelConfig) -> dict:
     """A model with AdamW state, as after a few steps: weights plus two moments (12 B/param)."""
-    model = Transformer(args)
+    model = Transformer(shape)
     model.init_weights(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for param in model.parameters():
@@ -141,13 +144,13 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=16000)
     parser.add_argument("--dir", help="where to write (default: a temporary directory under /tmp)")
     args = parser.parse_args()
-    model_args = ModelArgs(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=12,
-                           n_kv_heads=4, ffn_dim=4 * args.dim * 2 // 3 // 64 * 64)
+    shape = ModelConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=12,
+                        n_kv_heads=4, ffn_dim=4 * args.dim * 2 // 3 // 64 * 64)
 
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-", dir=args.dir) as scratch:
         directory = Path(scratch)
         dist.init_process_group("gloo", init_method=f"file://{directory / 'pg'}", rank=0, world_size=1)
-        state = training_state(model_args)
+        state = training_state(shape)
         size = state_bytes(state)
         disk_write, disk_read = disk_speed(directory, size)
         sync = save_and_load(directory, state, async_save=False)
@@ -156,7 +159,7 @@ def main() -> None:
         recovery = recovery_time(directory / "recovery")
 
     results = {
-        "params": model_args.num_params(), "state_gb": round(size / 1e9, 3),
+        "params": shape.num_params(), "state_gb": round(size / 1e9, 3),
         "sync_save_s": round(sync["save_s"], 3), "async_blocked_s": round(asynchronous["blocked_s"], 3),
         "async_blocked_over_sync": round(asynchronous["blocked_s"] / sync["save_s"], 4),
         "disk_write_gb_s": round(disk_write / 1e9, 3), "disk_read_gb_s": round(disk_read / 1e9, 3),

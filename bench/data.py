@@ -17,23 +17,25 @@ real training run's per-step MLflow metrics. Writes bench/results/data.json.
 
 from __future__ import annotations
 
+import argparse
 import os
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+from forgeline.configs.environment import apply_environment_defaults
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the raw baseline on one thread, like each worker
-
-import argparse  # noqa: E402
-import resource  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+apply_environment_defaults()  # before torch, MLflow and datasets are imported
 
 from mlflow import MlflowClient  # noqa: E402
 from results_file import write_results  # noqa: E402  (bench/, the script's own directory)
 
-import forgeline.tasks  # noqa: E402,F401  (forgeline's env defaults before torch/mlflow)
 from forgeline.configs import Config, load_config  # noqa: E402
-from forgeline.model.data import ShardedSampleLoader, read_manifest, split_shards  # noqa: E402
-from forgeline.tasks.data import (  # noqa: E402
+from forgeline.model.training.loader import ShardedSampleLoader  # noqa: E402
+from forgeline.model.training.shards import read_manifest, split_shards  # noqa: E402
+from forgeline.tasks.data.build import (  # noqa: E402
     build_dataset,
     build_tokenizer,
     clean_corpus,
@@ -42,9 +44,9 @@ from forgeline.tasks.data import (  # noqa: E402
     split_documents,
     tokenize_documents,
 )
-from forgeline.tasks.sources import read_source  # noqa: E402
+from forgeline.tasks.data.sources import read_source  # noqa: E402
 from forgeline.tasks.tracking import experiment_id, resolve_tracking_uri  # noqa: E402
-from forgeline.tasks.train import train_model  # noqa: E402
+from forgeline.tasks.train.job import train_model  # noqa: E402
 
 WARMUP_STEPS = 5
 

@@ -20,22 +20,24 @@ import tempfile
 import time
 from pathlib import Path
 
-import lm_eval
-import torch
-from lm_eval.models.huggingface import HFLM
-from lm_eval.tasks import TaskManager
-from results_file import write_results  # bench/, the script's own directory
+from forgeline.configs.environment import apply_environment_defaults
 
-import forgeline.tasks  # noqa: F401  (offline defaults before datasets/transformers)
-from forgeline.configs import load_config
-from forgeline.eval.lm import ForgelineLM
-from forgeline.eval.suite import render_suite
-from forgeline.model.data import read_manifest
-from forgeline.model.hf import export_hf
-from forgeline.model.llama import Transformer
-from forgeline.model.train import model_args
-from forgeline.tasks.data import build_dataset
-from forgeline.tasks.evaluate import plan_tasks
+apply_environment_defaults()  # before lm-eval, datasets and transformers are imported
+
+import lm_eval  # noqa: E402
+import torch  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+from results_file import write_results  # noqa: E402  (bench/, the script's own directory)
+
+from forgeline.configs import load_config  # noqa: E402
+from forgeline.eval.lm import ForgelineLM  # noqa: E402
+from forgeline.eval.suite import render_suite  # noqa: E402
+from forgeline.model.hf import export_hf  # noqa: E402
+from forgeline.model.llama import Transformer  # noqa: E402
+from forgeline.model.training.shards import read_manifest  # noqa: E402
+from forgeline.tasks.data.build import build_dataset  # noqa: E402
+from forgeline.tasks.evaluate import plan_tasks  # noqa: E402
 
 Plan = dict[str, tuple[list[str], int | None, int]]  # dimension -> tasks, limit, few-shot
 Timing = tuple[float, float, int]  # seconds in the backend, seconds end to end, requests
@@ -97,7 +99,7 @@ def main() -> None:
         plan = {name: ([s.task for s in scores], args.limit or dcfg.limit, dcfg.num_fewshot)
                 for name, (scores, dcfg) in plan_tasks(cfg.eval).items()}
         build_dataset(cfg)
-        model = Transformer(model_args(cfg, read_manifest(workdir / "data")["vocab_size"]))
+        model = Transformer(cfg.model.for_vocabulary(read_manifest(workdir / "data")["vocab_size"]))
         model.init_weights(0)
         hf_dir = export_hf(model, workdir / "data" / "tokenizer", workdir / "hf")
         task_manager = TaskManager(include_path=str(render_suite(workdir / "tasks", workdir / "data")))
@@ -119,7 +121,7 @@ def main() -> None:
         per_dimension[dimension] = summary(ours_t[2], ours_t[:2], hf_t[:2])
     total = {name: (sum(t[0] for t in timings.values()), sum(t[1] for t in timings.values()))
              for name, timings in best.items()}
-    results = {"config": args.config, "params": model.args.num_params(), "rounds": args.rounds,
+    results = {"config": args.config, "params": model.shape.num_params(), "rounds": args.rounds,
                "batch_size": cfg.eval.batch_size,
                "plan": {d: {"tasks": t, "limit": lim, "num_fewshot": n} for d, (t, lim, n) in plan.items()},
                "dimensions": per_dimension,

@@ -19,21 +19,24 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from mlflow import MlflowClient
-from results_file import write_results  # bench/, the script's own directory
+from forgeline.configs.environment import apply_environment_defaults
 
-import forgeline.tasks  # noqa: F401  (forgeline's env defaults before torch/mlflow)
-from forgeline.configs import Config, load_config
-from forgeline.model.data import ShardedSampleLoader, read_manifest, split_shards
-from forgeline.model.llama import Transformer
-from forgeline.model.metrics import measure_peak_flops
-from forgeline.model.optim import build_lr_scheduler, build_optimizer
-from forgeline.model.train import model_args
-from forgeline.tasks.data import build_dataset
-from forgeline.tasks.tracking import experiment_id, resolve_tracking_uri
-from forgeline.tasks.train import train_model
+apply_environment_defaults()  # before torch and MLflow are imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from mlflow import MlflowClient  # noqa: E402
+from results_file import write_results  # noqa: E402  (bench/, the script's own directory)
+
+from forgeline.configs import Config, load_config  # noqa: E402
+from forgeline.model.llama import Transformer  # noqa: E402
+from forgeline.model.training.loader import ShardedSampleLoader  # noqa: E402
+from forgeline.model.training.metrics import measure_peak_flops  # noqa: E402
+from forgeline.model.training.optim import build_lr_scheduler, build_optimizer  # noqa: E402
+from forgeline.model.training.shards import read_manifest, split_shards  # noqa: E402
+from forgeline.tasks.data.build import build_dataset  # noqa: E402
+from forgeline.tasks.tracking import experiment_id, resolve_tracking_uri  # noqa: E402
+from forgeline.tasks.train.job import train_model  # noqa: E402
 
 WARMUP_STEPS = 5
 
@@ -42,7 +45,7 @@ def plain_loop_step_times(cfg: Config, steps: int) -> list[float]:
     """The baseline: the textbook loop, batches preloaded in memory."""
     data_dir = Path(cfg.data.out_dir)
     manifest = read_manifest(data_dir)
-    model = Transformer(model_args(cfg, manifest["vocab_size"]))
+    model = Transformer(cfg.model.for_vocabulary(manifest["vocab_size"]))
     model.init_weights(cfg.train.seed)
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_lr_scheduler(optimizer, cfg.train)
@@ -113,12 +116,12 @@ def main() -> None:
         manifest = read_manifest(workdir / "data")
 
     tokens_per_step = cfg.train.global_batch_size * manifest["seq_len"]
-    flops_per_token = model_args(cfg, manifest["vocab_size"]).flops_per_token(manifest["seq_len"])
+    flops_per_token = cfg.model.for_vocabulary(manifest["vocab_size"]).flops_per_token(manifest["seq_len"])
     plain_tps = tokens_per_step / statistics.median(plain)
     trainer_tps = tokens_per_step / statistics.median(trainer)
     results = {
         "config": args.config, "steps": args.steps, "rounds": args.rounds, "threads": args.threads,
-        "params": model_args(cfg, manifest["vocab_size"]).num_params(),
+        "params": cfg.model.for_vocabulary(manifest["vocab_size"]).num_params(),
         "plain_loop_tokens_per_s": round(plain_tps),
         "trainer_tokens_per_s": round(trainer_tps),
         "trainer_over_plain": round(trainer_tps / plain_tps, 4),

@@ -9,13 +9,9 @@ from typing import Any, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from forgeline.configs.schema import Config
+from forgeline.configs.schema import Config, ConfigError
 
 DEFAULT_CONFIG = "tiny.yaml"
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the key and what is allowed."""
 
 
 def shipped_configs() -> list[Path]:

@@ -11,12 +11,16 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key and what is allowed."""
 
 
 class Section(BaseModel):
@@ -213,8 +217,14 @@ class DataConfig(Section):
 
 
 class ModelConfig(Section):
-    """Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention). The vocabulary
-    size comes from the tokenizer the data stage wrote."""
+    """Shape of a Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention): the
+    `model` section of a run config, and the one shape type of every built model -- the
+    transformer, its checkpoints and inference bundles, Hugging Face import and export, and the
+    layout planner."""
+
+    vocab_size: PositiveInt | None = None
+    """Vocabulary size. Unset in a run config: the size of the tokenizer the data stage wrote.
+    Set, it must equal that size (the train stage checks before it launches)."""
 
     dim: PositiveInt = 256
     """Width of the residual stream."""
@@ -254,6 +264,39 @@ class ModelConfig(Section):
             )
         return self
 
+    def for_vocabulary(self, vocab_size: int) -> ModelConfig:
+        """This shape with the vocabulary of a tokenizer of `vocab_size` tokens."""
+        if self.vocab_size not in (None, vocab_size):
+            raise ConfigError(f"model.vocab_size={self.vocab_size} but the tokenizer has {vocab_size} "
+                              "tokens; unset model.vocab_size to take the tokenizer's size")
+        return self.model_copy(update={"vocab_size": vocab_size})
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def layer_params(self) -> int:
+        """One block: wq and wo (dim^2 each), wk and wv (dim * kv_dim each), SwiGLU, two norms."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        return 2 * self.dim * (self.dim + kv_dim) + 3 * self.dim * self.ffn_dim + 2 * self.dim
+
+    def num_params(self) -> int:
+        """Parameter count: untied embedding and output projection, the blocks, the final norm."""
+        return 2 * self._vocab() * self.dim + self.n_layers * self.layer_params + self.dim
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token, forward + backward (PaLM appendix B): 6 per weight of every
+        matmul (all parameters but the embedding table and the norm gains) plus attention's
+        score and value products, 12 * n_layers * dim * seq_len."""
+        matmul_params = self.num_params() - self._vocab() * self.dim - (2 * self.n_layers + 1) * self.dim
+        return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
+
+    def _vocab(self) -> int:
+        if self.vocab_size is None:
+            raise ValueError("the model shape has no vocab_size yet: call for_vocabulary() first")
+        return self.vocab_size
+
 
 PipelineSchedule = Literal[
     "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
@@ -263,6 +306,14 @@ PipelineSchedule = Literal[
 SINGLE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
 V_SCHEDULES = frozenset({"ZBVZeroBubble", "DualPipeV"})
 INTERLEAVED_SCHEDULES = frozenset({"Interleaved1F1B", "InterleavedZeroBubble"})
+ActivationCheckpoint = Literal["none", "selective", "full"]
+ACTIVATION_CHECKPOINT_MODES = get_args(ActivationCheckpoint)
+# The DeviceMesh dimensions, outermost to innermost; "dp" is ("dp_replicate", "dp_shard") flattened.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+class LayoutError(ValueError):
+    """A parallel layout or precision that does not fit the world or the machine."""
 
 
 class ParallelConfig(Section):
@@ -301,7 +352,7 @@ class ParallelConfig(Section):
     loss_parallel: bool = True
     """With tp > 1: cross-entropy on vocabulary-sharded logits, never gathering them."""
 
-    activation_checkpoint: Literal["none", "selective", "full"] = "none"
+    activation_checkpoint: ActivationCheckpoint = "none"
     """Recompute activations in backward: `full` per transformer block; `selective` keeps
     matmul and attention outputs and recomputes the rest."""
 
@@ -330,6 +381,20 @@ class ParallelConfig(Section):
     @property
     def num_stages(self) -> int:
         return self.pp * self.pp_stages_per_rank
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        """Degrees along MESH_DIMS."""
+        return self.pp, self.dp_replicate, self.dp_shard, self.tp
+
+    def check_world_size(self, world_size: int) -> None:
+        """The launched world must be the layout's: the one check that needs the running job."""
+        if self.world_size != world_size:
+            raise LayoutError(
+                f"pp*dp_replicate*dp_shard*tp = {self.pp}*{self.dp_replicate}*{self.dp_shard}*{self.tp}"
+                f" = {self.world_size} but WORLD_SIZE = {world_size}; launch {self.world_size} ranks or "
+                "change the parallel section"
+            )
 
     @model_validator(mode="after")
     def _layout_fits(self) -> ParallelConfig:
@@ -372,7 +437,7 @@ class CallbackSpec(Section):
     """A loop callback by import path, with keyword arguments."""
 
     path: str = Field(pattern=r"^[\w.]+:\w+$")
-    """`package.module:ClassName`, a subclass of forgeline.model.train.Callback."""
+    """`package.module:ClassName`, a subclass of forgeline.model.training.loop.Callback."""
 
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for its constructor."""
@@ -500,7 +565,7 @@ class CheckpointConfig(Section):
 
 
 Dimension = Literal["reasoning", "knowledge", "math", "code", "safety", "language_modeling"]
-DIMENSIONS = ("reasoning", "knowledge", "math", "code", "safety", "language_modeling")
+DIMENSIONS = get_args(Dimension)
 
 
 class DimensionConfig(Section):
@@ -643,13 +708,39 @@ class Config(Section):
         return self
 
     def section_hash(self, *sections: str) -> str:
-        """Stable sha256 of what the named sections (all when none are named) compute; where
-        outputs go (`out_dir`, `raw_dir`) and how many processes compute them (`num_workers`) are
-        not part of it."""
-        dump = self.model_dump(mode="json", exclude={name: {"out_dir", "raw_dir", "num_workers"}
-                                                     for name in type(self).model_fields})
+        """Stable sha256 of the named sections (all when none are named), every key: what
+        `dvc repro` compares as the params of a stage that lists these sections."""
+        return self._hash(self.model_dump(mode="json"), sections)
+
+    def content_hash(self, *sections: str) -> str:
+        """Stable sha256 of what the named sections compute: `section_hash` without where outputs
+        go (`out_dir`, `raw_dir`) and how many processes compute them (`num_workers`). Outputs
+        record it (the data manifest, checkpoints), so that moving them or rebuilding with other
+        workers changes no byte of them."""
+        placement = {name: set(PLACEMENT_FIELDS) for name in type(self).model_fields}
+        dump = self.model_dump(mode="json", exclude=placement)
+        return self._hash(dump, sections)
+
+    @staticmethod
+    def _hash(dump: dict[str, Any], sections: tuple[str, ...]) -> str:
         picked = {name: dump[name] for name in (sections or dump)}
         return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()
+
+    def value(self, dotted: str) -> Any:
+        """The value of a field by its dotted name, e.g. `data.out_dir`."""
+        value: Any = self
+        for name in dotted.split("."):
+            value = getattr(value, name)
+        return value
+
+    def with_values(self, values: dict[str, Any]) -> Config:
+        """This config with some `section.field` values replaced, validated like any config
+        (the file is not read again)."""
+        raw = self.model_dump()
+        for dotted, value in values.items():
+            section, field = dotted.split(".")
+            raw[section][field] = value
+        return Config.model_validate(raw)
 
     def flat(self) -> dict[str, str]:
         """`section.key[.subkey...] -> value` pairs, as logged to MLflow params; lists as JSON."""
@@ -666,6 +757,8 @@ class Config(Section):
         return out
 
 
+# Fields that say where outputs go and how many processes compute them, not what is computed.
+PLACEMENT_FIELDS = frozenset({"out_dir", "raw_dir", "num_workers"})
 # Train fields that change how a job runs, not what it computes: a checkpoint written under
 # other values of these can still be resumed.
 OPERATIONAL_TRAIN_FIELDS = frozenset({"out_dir", "log_every", "max_restarts", "job_retries", "timeout_s",
@@ -674,8 +767,9 @@ OPERATIONAL_TRAIN_FIELDS = frozenset({"out_dir", "log_every", "max_restarts", "j
 
 def resume_fingerprint(cfg: Config, data_manifest_sha256: str) -> str:
     """What a checkpoint must match to be resumed: the model, the training recipe and the
-    exact data. The parallel layout is not part of it (checkpoints reshard on load)."""
+    exact data. The parallel layout is not part of it (checkpoints reshard on load), nor the
+    vocabulary size (the data's)."""
     train = cfg.train.model_dump(mode="json", exclude=set(OPERATIONAL_TRAIN_FIELDS))
-    payload = {"model": cfg.model.model_dump(mode="json"), "train": train,
+    payload = {"model": cfg.model.model_dump(mode="json", exclude={"vocab_size"}), "train": train,
                "data": data_manifest_sha256}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from forgeline.configs.schema import DIMENSIONS
+
 
 @dataclass(frozen=True)
 class TaskScore:
@@ -48,7 +50,8 @@ class TaskScore:
     (lm-eval's code tasks score with a metric fetched from the Hub)."""
 
 
-DIMENSIONS: dict[str, tuple[TaskScore, ...]] = {
+# The tasks of each dimension, keyed by the names the config defines (configs/schema.py: Dimension).
+DIMENSION_TASKS: dict[str, tuple[TaskScore, ...]] = {
     "reasoning": (
         TaskScore("forgeline_hellaswag", "acc_norm", chance=0.25, best=1.0, hub_task="hellaswag"),
         TaskScore("forgeline_arc_easy", "acc_norm", chance=0.249971, best=1.0, hub_task="arc_easy"),
@@ -80,3 +83,6 @@ DIMENSIONS: dict[str, tuple[TaskScore, ...]] = {
         TaskScore("forgeline_lambada", "acc", chance=0.0, best=1.0, hub_task="lambada_openai"),
     ),
 }
+if tuple(DIMENSION_TASKS) != DIMENSIONS:
+    raise AssertionError(f"DIMENSION_TASKS covers {tuple(DIMENSION_TASKS)}, the config's dimensions are "
+                         f"{DIMENSIONS}")

@@ -30,6 +30,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast
 
+from forgeline.configs.environment import apply_environment_defaults
 from forgeline.model.hf import import_hf
 from forgeline.model.inference import generate_batch, load_bundle, load_from_checkpoint, pack_linears
 
@@ -170,6 +171,7 @@ class ForgelineLM(TemplateLM):
     def __init__(self, tokenizer: str, checkpoint: str | None = None, bundle: str | None = None,
                  hf: str | None = None, batch_size: int | str = 16, max_length: int | None = None,
                  device: str = "cpu", **_ignored) -> None:
+        apply_environment_defaults()  # lm-eval may construct this class from its own command line
         device = usable_device(device)
         sources = {"checkpoint": checkpoint, "bundle": bundle, "hf": hf}
         if sum(v is not None for v in sources.values()) != 1:
@@ -185,7 +187,7 @@ class ForgelineLM(TemplateLM):
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(Path(tokenizer)))
         self._device = torch.device(device)
         self.batch_size = int(batch_size)
-        self.max_length = int(max_length or model.args.max_seq_len)
+        self.max_length = int(max_length or model.shape.max_seq_len)
 
     @property
     def eot_token_id(self) -> int:

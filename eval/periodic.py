@@ -14,15 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import lm_eval
-from lm_eval.tasks import TaskManager
-from mlflow import MlflowClient
-from mlflow.entities import Metric
-
-import forgeline.tasks  # noqa: F401  (offline and telemetry defaults before lm_eval/datasets)
-from forgeline.eval.lm import ForgelineLM
-from forgeline.eval.suite import render_suite
-from forgeline.tasks.evaluate import flatten_scores
+from forgeline.configs.environment import apply_environment_defaults
 
 log = logging.getLogger("forgeline.eval.periodic")
 
@@ -30,6 +22,14 @@ log = logging.getLogger("forgeline.eval.periodic")
 def evaluate_checkpoint(checkpoint: Path, data_dir: Path, tasks: list[str], limit: int | None,
                         batch_size: int) -> dict[str, float]:
     """`task/metric` -> value for `tasks` on `checkpoint`, named as the eval stage names them."""
+    # Imported here, after main() applied the environment defaults lm-eval and datasets read.
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from forgeline.eval.lm import ForgelineLM
+    from forgeline.eval.scores import flatten_scores
+    from forgeline.eval.suite import render_suite
+
     with tempfile.TemporaryDirectory(prefix="forgeline-periodic-") as scratch:
         task_manager = TaskManager(include_path=str(render_suite(Path(scratch), data_dir)))
         lm = ForgelineLM(checkpoint=str(checkpoint), tokenizer=str(data_dir / "tokenizer"),
@@ -50,12 +50,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--step", required=True, type=int)
     args = parser.parse_args(argv)
+    apply_environment_defaults()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     scores = evaluate_checkpoint(args.checkpoint, args.data_dir, args.tasks, args.limit, args.batch_size)
-    now = int(time.time() * 1000)
-    MlflowClient().log_batch(args.run_id, metrics=[Metric(f"eval/{k}", v, now, args.step)
-                                                   for k, v in scores.items()])
+    log_scores(args.run_id, args.step, scores)
     log.info("step %d: %s", args.step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+
+
+def log_scores(run_id: str, step: int, scores: dict[str, float]) -> None:
+    """`eval/<task>/<metric>` metrics of the training run at `step`."""
+    from mlflow import MlflowClient  # after the environment defaults, like lm-eval
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    MlflowClient().log_batch(run_id, metrics=[Metric(f"eval/{k}", v, now, step) for k, v in scores.items()])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Prefect flows: the pipeline (flows/pipeline.py), one flow per stage (flows/stages.py) and
-the `forgeline` command line (flows/cli.py)."""
+"""Prefect: the pipeline flow and the reproduction flow (`pipeline.py`), the stage tasks and one
+flow per stage made from the stage records (`stage_flows.py`), what every flow shares
+(`hooks.py`), the deployments (`deploy.py`) and the `forgeline` command line (`cli.py`).
 
-from forgeline.tasks.runtime import apply_env_defaults
-
-apply_env_defaults()  # before anything imports Prefect
+The top layer: imports configs, model, eval and tasks; nothing imports it.
+"""

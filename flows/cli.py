@@ -3,6 +3,8 @@
     forgeline run [--config PATH] [--set section.key=value ...] [--force]
     forgeline stage {data,train,eval,register} [--config PATH] [--set ...] [--upstream-run RUN_ID] [--force]
     forgeline stage data [--snapshot-only | --from-snapshot] [...]
+    forgeline status [--config PATH] [--set ...] [--json]   (which stages would run, and why)
+    forgeline stages [--write | --check] [--root DIR]   (the stage records; dvc.yaml, prefect.yaml)
     forgeline config show [--config PATH] [--set ...] [--docs]
     forgeline plan --nodes N --accelerators-per-node K --memory-gib G [...] [--write-config OUT]
     forgeline checkpoints {list,verify,rollback,export} [...]
@@ -11,20 +13,29 @@
     forgeline deploy [--prefect-file prefect.yaml] [--workdir DIR] [--pool NAME]
     forgeline reproduce RUN_ID [--out DIR] [--tolerance T]
     forgeline lm-eval ARGS...   (lm-eval's own command line, with the `forgeline` model class)
+
+Each verb is one function; `main` is the one place that turns an error into an exit status:
+2 for input that cannot be used (reported before any work), 1 for work that failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 from forgeline.configs import Config, ConfigError, load_config
+from forgeline.configs.environment import apply_environment_defaults
 from forgeline.configs.loader import config_docs
-from forgeline.tasks import STAGES
+from forgeline.configs.schema import ACTIVATION_CHECKPOINT_MODES
+from forgeline.tasks.stage import STAGE_NAMES, STAGES, Stage, resolve, stage_named
+
+SNAPSHOT_STAGES = tuple(stage.name for stage in STAGES if stage.snapshot is not None)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,37 +53,55 @@ def add_force_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    chain = " -> ".join(STAGE_NAMES)
     parser = argparse.ArgumentParser(
         prog="forgeline",
-        description="Corpus to a registered, evaluated model: data -> train -> eval -> register, "
-                    "orchestrated by Prefect, tracked in MLflow, versioned with DVC.",
+        description=f"Corpus to a registered, evaluated model: {chain}, orchestrated by Prefect, "
+                    "tracked in MLflow, versioned with DVC.",
     )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     run = verbs.add_parser("run", help="run the whole pipeline as a Prefect flow",
-                           description="Run data -> train -> eval -> register as the "
-                                       "forgeline-pipeline Prefect flow under one MLflow parent "
-                                       "run; prints the run id and the registered model version.")
+                           description=f"Run {chain} as the forgeline-pipeline Prefect flow under one "
+                                       "MLflow parent run; prints the run id and the registered model "
+                                       "version.")
     add_config_arguments(run)
     add_force_argument(run)
 
     stage = verbs.add_parser("stage", help="run one stage as its own Prefect flow",
                              description="Run one stage; it reads its inputs from the upstream "
                                          "stages' output directories named in the config.")
-    stage.add_argument("name", choices=STAGES, help="the stage to run")
+    stage.add_argument("name", choices=STAGE_NAMES, help="the stage to run")
     add_config_arguments(stage)
     add_force_argument(stage)
     stage.add_argument("--upstream-run", metavar="RUN_ID",
                        help="read the upstream stages' outputs recorded by this earlier MLflow run (a "
                             "pipeline or stage run) instead of the config's output directories")
     steps = stage.add_mutually_exclusive_group()
+    where = ", ".join(f"{name}: {stage_named(name).snapshot.output}" for name in SNAPSHOT_STAGES)
     steps.add_argument("--snapshot-only", action="store_true",
-                       help="data: only take the snapshot of the raw inputs in data.raw_dir (rewritten "
-                            "only if they changed; no Prefect flow or MLflow run): dvc.yaml's `sources`")
+                       help=f"only take the snapshot of the stage's inputs ({where}), rewritten only if they "
+                            "changed; no Prefect flow or MLflow run (dvc.yaml's snapshot stage)")
     steps.add_argument("--from-snapshot", action="store_true",
-                       help="data: build from the snapshot already in data.raw_dir, reading no source: "
-                            "dvc.yaml's `data`. Fails if it is missing, damaged or taken for other "
-                            "data.sources")
+                       help="build from the snapshot already there, reading no source. Fails if it is "
+                            "missing, damaged or taken for another config")
+    status = verbs.add_parser(
+        "status", help="which stages would run now, and why",
+        description="For each stage, in order: whether it would be skipped (its inputs and outputs are "
+                    "those its last run recorded) or what changed -- the stage cache's decision, as `dvc "
+                    "status` reports DVC's. A stage after one that would run is judged on the outputs "
+                    "there now.")
+    add_config_arguments(status)
+    status.add_argument("--json", action="store_true", help="a JSON object: stage -> reason, null if skipped")
+    stages = verbs.add_parser(
+        "stages", help="the stage records, and the files made from them",
+        description="Print the stages as the README's table, or write (--write) or compare (--check) the "
+                    "files made from the stage records (tasks/stage.py): dvc.yaml, prefect.yaml and the "
+                    "README's stage table.")
+    files = stages.add_mutually_exclusive_group()
+    files.add_argument("--write", action="store_true", help="rewrite the files under --root")
+    files.add_argument("--check", action="store_true", help="exit 1 if a file under --root differs")
+    stages.add_argument("--root", default=".", help="the checkout holding them (default: .)")
 
     config = verbs.add_parser("config", help="inspect and validate run configs",
                               description="Inspect and validate run configs.")
@@ -182,7 +211,7 @@ def add_plan_parser(verbs: argparse._SubParsersAction) -> None:
     plan.add_argument("--seq-len", type=int, help="default: the config's data.seq_len")
     plan.add_argument("--global-batch", type=int, help="default: the config's train.global_batch_size")
     plan.add_argument("--microbatches", type=int, help="default: the config's parallel.pp_microbatches")
-    plan.add_argument("--activation-checkpoint", choices=("none", "selective", "full"),
+    plan.add_argument("--activation-checkpoint", choices=ACTIVATION_CHECKPOINT_MODES,
                       help="default: the config's parallel.activation_checkpoint")
     plan.add_argument("--zero-stage", type=int, default=3, choices=(0, 1, 2, 3),
                       help="how much of the model state data parallelism shards (default: 3, FSDP2)")
@@ -194,54 +223,125 @@ def add_plan_parser(verbs: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    apply_environment_defaults()  # before anything imports Prefect, MLflow, datasets or transformers
     if argv[:1] == ["lm-eval"]:
         return run_lm_eval(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.verb == "stage" and args.name != "data" and (args.snapshot_only or args.from_snapshot):
-        parser.error("--snapshot-only and --from-snapshot are for `forgeline stage data`")
+    snapshot_flag = args.verb == "stage" and (args.snapshot_only or args.from_snapshot)
+    if snapshot_flag and args.name not in SNAPSHOT_STAGES:
+        parser.error(f"--snapshot-only and --from-snapshot are for `forgeline stage "
+                     f"{'|'.join(SNAPSHOT_STAGES)}`")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call
     try:
-        if args.verb == "config":
-            return show_config(args)
-        if args.verb == "plan":
-            return plan_layout(args)
-        if args.verb == "checkpoints":
-            return manage_checkpoints(args)
-        if args.verb in ("promote", "compare"):
-            return registry_action(args)
-        if args.verb == "deploy":
-            return deploy_flows(args)
-        if args.verb == "reproduce":
-            return reproduce_run(args)
-        cfg = load_config(args.config, args.overrides)  # fail on bad input before Prefect starts
-        if args.verb == "stage" and args.snapshot_only:
-            return snapshot_sources(cfg)
-        from forgeline.tasks.stages import preflight, upstream_overrides
-
-        if args.verb == "stage" and args.upstream_run:
-            reuse = upstream_overrides(cfg, args.name, args.upstream_run)
-            cfg = load_config(args.config, args.overrides + reuse)
-        from_snapshot = args.verb == "stage" and args.from_snapshot
-        preflight(cfg, (args.name,) if args.verb == "stage" else STAGES, from_snapshot)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
-        print(f"forgeline: {err}", file=sys.stderr)
+        return VERBS[args.verb](args)
+    except WorkFailed as failed:
+        print(f"forgeline: {failed}", file=sys.stderr)
+        return 1
+    except unusable_input_errors() as err:
+        print(f"forgeline: {getattr(err, 'message', None) or err}", file=sys.stderr)
         return 2
-    if args.verb == "run":
-        return run_pipeline(args.config, args.overrides, args.force)
-    return run_stage(args.name, args.config, args.overrides, args.upstream_run, args.force, from_snapshot)
 
 
-def snapshot_sources(cfg: Config) -> int:
-    """The data stage's first step alone: plain Python, quick enough to run on every `dvc repro`."""
-    from forgeline.tasks.data import preflight_data
-    from forgeline.tasks.raw import take_snapshot
+class WorkFailed(Exception):
+    """A flow started and failed; Prefect's log above has its traceback."""
 
-    preflight_data(cfg.data)
-    snapshot = take_snapshot(cfg.data)
-    print(f"sources: {snapshot.documents} documents of {snapshot.sources} sources in {snapshot.raw_dir} "
-          f"({'written' if snapshot.written else 'unchanged, not rewritten'})")
+
+def unusable_input_errors() -> tuple[type[BaseException], ...]:
+    """What a verb raises for input it cannot use: a config, a path, a run id, a version."""
+    from mlflow.exceptions import MlflowException
+
+    from forgeline.model.checkpoint.manager import CheckpointError
+
+    return ConfigError, ValueError, FileNotFoundError, FileExistsError, CheckpointError, MlflowException
+
+
+def run_pipeline(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # read once: the flow takes it as it is
+    from forgeline.tasks.runner import preflight
+
+    preflight(cfg, STAGES)
+    from forgeline.flows.pipeline import pipeline_flow
+
+    result = run_flow(pipeline_flow, config=cfg, force=args.force)
+    print(f"MLflow run: {result.run_id}")
+    print(f"Registered model: {result.model_name} version {result.model_version}")
+    print(f"Promotion: {result.promotion}")
+    print(f"Eval (chance-normalized, 0 = chance, 1 = best): overall {result.overall:.3f}")
+    for name, score in result.dimensions.items():
+        print(f"  {name}: {score:.3f}")
+    return 0
+
+
+def rerun_stage(args: argparse.Namespace) -> int:
+    stage = stage_named(args.name)
+    cfg = load_config(args.config, args.overrides)  # read once: the flow takes it as it is
+    if args.snapshot_only:
+        return take_snapshot_only(stage, cfg)
+    from forgeline.tasks.runner import preflight, upstream_outputs
+
+    if args.upstream_run:
+        cfg = cfg.with_values(upstream_outputs(cfg, stage, args.upstream_run))
+    preflight(cfg, (stage,), args.from_snapshot)
+    from forgeline.flows.stage_flows import STAGE_FLOWS
+
+    options = {"from_snapshot": True} if args.from_snapshot else {}
+    result = run_flow(STAGE_FLOWS[stage.name], config=cfg, upstream_run=args.upstream_run, force=args.force,
+                      **options)
+    print(f"{stage.name}: {result}")
+    return 0
+
+
+def run_flow(flow: Callable, **parameters: object) -> object:
+    try:
+        return flow(**parameters)
+    except Exception as err:
+        raise WorkFailed(f"{flow.name} failed: {type(err).__name__}: {err}") from err
+
+
+def take_snapshot_only(stage: Stage, cfg: Config) -> int:
+    """A stage's snapshot step alone: plain Python, quick enough to run on every `dvc repro`."""
+    resolve(stage.snapshot.preflight)(cfg)
+    snapshot = resolve(stage.snapshot.take)(cfg)
+    print(f"{stage.snapshot.name}: {snapshot.documents} documents of {snapshot.sources} sources in "
+          f"{snapshot.raw_dir} ({'written' if snapshot.written else 'unchanged, not rewritten'})")
+    return 0
+
+
+def show_status(args: argparse.Namespace) -> int:
+    from forgeline.tasks.cache import decide
+
+    cfg = load_config(args.config, args.overrides)
+    decisions = {stage.name: decide(stage, cfg) for stage in STAGES}
+    if args.json:
+        print(json.dumps(decisions))
+        return 0
+    for name, reason in decisions.items():
+        print(f"{name:<10} {'skipped: up to date' if reason is None else 'runs: ' + reason}")
+    return 0
+
+
+def show_stages(args: argparse.Namespace) -> int:
+    from forgeline.flows.deploy import render_prefect_yaml
+    from forgeline.tasks.dvc_yaml import render_dvc_yaml, render_stage_table, replace_stage_table
+
+    if not (args.write or args.check):
+        print(render_stage_table(), end="")
+        return 0
+    root = Path(args.root)
+    readme = (root / "README.md").read_text()
+    wanted = {"dvc.yaml": render_dvc_yaml(), "prefect.yaml": render_prefect_yaml(),
+              "README.md": replace_stage_table(readme, render_stage_table())}
+    differing = [name for name, text in wanted.items()
+                 if not (root / name).is_file() or (root / name).read_text() != text]
+    if args.check:
+        for name in differing:
+            print(f"{root / name} differs from the stage records: run `forgeline stages --write`")
+        return 1 if differing else 0
+    for name in differing:
+        (root / name).write_text(wanted[name])
+        print(f"wrote {root / name}")
     return 0
 
 
@@ -255,7 +355,7 @@ def show_config(args: argparse.Namespace) -> int:
 
 
 def plan_layout(args: argparse.Namespace) -> int:
-    from forgeline.tasks.plan import Cluster, Workload, apply_plan, format_report, plan_run_config
+    from forgeline.model.parallel.planner import Cluster, Workload, apply_plan, format_report, plan_run_config
 
     cfg = load_config(args.config, args.overrides)
     cluster = Cluster(args.accelerators_per_node, args.nodes, args.memory_gib, args.intra_node_gbps,
@@ -279,22 +379,13 @@ def plan_layout(args: argparse.Namespace) -> int:
 
 
 def manage_checkpoints(args: argparse.Namespace) -> int:
-    from forgeline.model.checkpoint import CheckpointError
-
-    try:
-        return checkpoint_action(args)
-    except (CheckpointError, FileExistsError) as err:
-        print(f"forgeline: {err}", file=sys.stderr)
-        return 2
-
-
-def checkpoint_action(args: argparse.Namespace) -> int:
-    from forgeline.tasks import checkpoints
+    from forgeline.model.training.outputs import TrainOutputs
+    from forgeline.tasks.train import versions
 
     cfg = load_config(args.config, args.overrides)
-    root = Path(args.dir) if args.dir else Path(cfg.train.out_dir) / "checkpoints"
+    root = Path(args.dir) if args.dir else TrainOutputs(Path(cfg.train.out_dir)).checkpoints
     if args.checkpoints_verb == "list":
-        rows = checkpoints.list_checkpoints(root)
+        rows = versions.list_checkpoints(root)
         if not rows:
             print(f"no committed checkpoints in {root}")
         for row in rows:
@@ -302,17 +393,17 @@ def checkpoint_action(args: argparse.Namespace) -> int:
                   f"{row.layout:<28} {row.created}  {row.size_mb:8.1f} MB  {row.path}")
         return 0
     if args.checkpoints_verb == "verify":
-        results = checkpoints.verify(root, args.step)
+        results = versions.verify(root, args.step)
         for step, problems in results.items():
             print(f"step {step:>8}  {'ok' if not problems else 'CORRUPT: ' + '; '.join(problems)}")
         return 1 if any(results.values()) else 0
     if args.checkpoints_verb == "rollback":
-        archive = checkpoints.rollback(root, args.step)
+        archive = versions.rollback(root, args.step)
         print(f"step {args.step} is the latest checkpoint; newer versions, if any, are kept in {archive}. "
               "The next `forgeline stage train` (or run) resumes from it.")
         return 0
     tokenizer = Path(cfg.data.out_dir) / "tokenizer"
-    out = checkpoints.export(root, args.step, tokenizer, Path(args.out), args.format)
+    out = versions.export(root, args.step, tokenizer, Path(args.out), args.format)
     print(f"exported step {args.step} to {out}")
     return 0
 
@@ -324,16 +415,6 @@ def registry_client(args: argparse.Namespace):
 
     cfg = load_config(args.config, args.overrides)
     return cfg, MlflowClient(resolve_tracking_uri(cfg), resolve_tracking_uri(cfg))
-
-
-def registry_action(args: argparse.Namespace) -> int:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return promote_version(args) if args.verb == "promote" else compare_runs(args)
-    except MlflowException as err:  # an unknown run, model, version or alias
-        print(f"forgeline: {err.message}", file=sys.stderr)
-        return 2
 
 
 def promote_version(args: argparse.Namespace) -> int:
@@ -357,7 +438,6 @@ def compare_runs(args: argparse.Namespace) -> int:
 
 
 def reproduce_run(args: argparse.Namespace) -> int:
-    from forgeline.flows.pipeline import reproduce_flow
     from forgeline.tasks.reproduce import check_code_version, compare, output_overrides, recorded_run
     from forgeline.tasks.tracking import dvc_hash
 
@@ -369,9 +449,11 @@ def reproduce_run(args: argparse.Namespace) -> int:
     (root / "config.yaml").write_text(recorded.config_yaml)
     overrides = output_overrides(root)
     tracking = [f"registry.tracking_uri={client.tracking_uri}"]
-    run_id, evaluation = reproduce_flow(config=str(root / "config.yaml"), overrides=overrides + tracking,
-                                        reproduces=args.run_id)
-    checks = compare(recorded, dvc_hash(root / "data"), evaluation.metrics, args.tolerance)
+    from forgeline.flows.pipeline import reproduce_flow
+
+    run_id, scores = run_flow(reproduce_flow, config=str(root / "config.yaml"),
+                              overrides=overrides + tracking, reproduces=args.run_id)
+    checks = compare(recorded, dvc_hash(root / "data"), scores, args.tolerance)
     print(f"reproduced run {args.run_id} as {run_id} (outputs in {root}):")
     for check in checks:
         print(f"  {'same' if check.matches else 'DIFFERS':<7} {check.name}: recorded {check.recorded}, "
@@ -380,7 +462,7 @@ def reproduce_run(args: argparse.Namespace) -> int:
 
 
 def deploy_flows(args: argparse.Namespace) -> int:
-    from forgeline.tasks.deploy import deploy
+    from forgeline.flows.deploy import deploy
 
     print(deploy(Path(args.prefect_file), Path(args.workdir), args.pool), end="")
     return 0
@@ -399,28 +481,12 @@ def run_lm_eval(lm_eval_args: list[str]) -> int:
     return 0
 
 
-def run_pipeline(config: str | None, overrides: list[str], force: bool) -> int:
-    from forgeline.flows.pipeline import pipeline_flow
-
-    result = pipeline_flow(config=config, overrides=overrides, force=force)
-    print(f"MLflow run: {result.run_id}")
-    print(f"Registered model: {result.model_name} version {result.model_version}")
-    print(f"Promotion: {result.promotion}")
-    print(f"Eval (chance-normalized, 0 = chance, 1 = best): overall {result.overall:.3f}")
-    for name, score in result.dimensions.items():
-        print(f"  {name}: {score:.3f}")
-    return 0
-
-
-def run_stage(name: str, config: str | None, overrides: list[str], upstream_run: str | None,
-              force: bool, from_snapshot: bool = False) -> int:
-    from forgeline.flows.stages import STAGE_FLOWS
-
-    options = {"from_snapshot": True} if from_snapshot else {}  # data only
-    result = STAGE_FLOWS[name](config=config, overrides=overrides, upstream_run=upstream_run, force=force,
-                               **options)
-    print(f"{name}: {result}")
-    return 0
+VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": run_pipeline, "stage": rerun_stage, "status": show_status, "stages": show_stages,
+    "config": show_config,
+    "plan": plan_layout, "checkpoints": manage_checkpoints, "promote": promote_version,
+    "compare": compare_runs, "reproduce": reproduce_run, "deploy": deploy_flows,
+}
 
 
 if __name__ == "__main__":

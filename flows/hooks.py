@@ -1,9 +1,11 @@
-"""What every forgeline flow shares: the Prefect lineage it records in MLflow and the hook that
-reports a failed flow run to the notification block named in its config."""
+"""What every forgeline flow shares: its config parameter, the Prefect lineage it records in
+MLflow and the hook that reports a failed flow run to the notification block named in its
+config."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from prefect import Flow
 from prefect.blocks.core import Block
@@ -11,9 +13,20 @@ from prefect.client.schemas.objects import FlowRun, State
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
-from forgeline.configs import ConfigError, load_config
+from forgeline.configs import Config, ConfigError, load_config
 
 log = logging.getLogger(__name__)
+
+
+def flow_config(config: Config | dict[str, Any] | str | None, overrides: list[str] | None) -> Config:
+    """A flow's `config` parameter as a Config: a path or shipped name read with `overrides`
+    (deployments, the default), or a config resolved by the caller (the CLI, which has read and
+    checked it before starting Prefect; Prefect stores it as a dict)."""
+    if isinstance(config, Config | dict):
+        if overrides:
+            raise ConfigError("overrides go with a config path; apply them to a resolved config before")
+        return Config.model_validate(config)
+    return load_config(config, overrides or [])
 
 
 def prefect_tags() -> dict[str, str]:
@@ -29,7 +42,7 @@ def prefect_tags() -> dict[str, str]:
 def notify_failure(flow: Flow, run: FlowRun, state: State) -> None:
     """on_failure hook: post the failure to `ops.notify_block` of the run's config, if set."""
     try:
-        cfg = load_config(run.parameters.get("config"), run.parameters.get("overrides") or [])
+        cfg = flow_config(run.parameters.get("config"), run.parameters.get("overrides"))
     except ConfigError:
         return  # the run failed on its config; there is no block name to read
     if not cfg.ops.notify_block:

@@ -41,8 +41,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from forgeline.configs.schema import ModelConfig
 from forgeline.model.fileio import fsync_path
-from forgeline.model.llama import ModelArgs, Transformer
+from forgeline.model.llama import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +79,12 @@ def _half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.unflatten(0, (n_heads, 2, -1)).transpose(1, 2).reshape(w.shape)
 
 
-def _heads(name: str, args: ModelArgs) -> int | None:
+def _heads(name: str, shape: ModelConfig) -> int | None:
     """Number of heads whose rows need the rotary permutation, None for other parameters."""
     if name.endswith("attention.wq.weight"):
-        return args.n_heads
+        return shape.n_heads
     if name.endswith("attention.wk.weight"):
-        return args.n_kv_heads
+        return shape.n_kv_heads
     return None
 
 
@@ -91,20 +92,20 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     """A full (unsharded) forgeline model's weights under `LlamaForCausalLM` names."""
     ours = model.state_dict()
     out = {}
-    for name, hf_name in _hf_names(model.args.n_layers).items():
-        heads = _heads(name, model.args)
+    for name, hf_name in _hf_names(model.shape.n_layers).items():
+        heads = _heads(name, model.shape)
         out[hf_name] = ours[name] if heads is None else _interleaved_to_half(ours[name], heads)
     return out
 
 
-def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+def from_hf_state_dict(sd: dict[str, torch.Tensor], shape: ModelConfig) -> dict[str, torch.Tensor]:
     """`LlamaForCausalLM` weights -> a forgeline state dict. Without `lm_head.weight` (tied
     embeddings) the output projection is a copy of the embedding."""
     sd = dict(sd)
     sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
     out = {}
-    for name, hf_name in _hf_names(args.n_layers).items():
-        heads = _heads(name, args)
+    for name, hf_name in _hf_names(shape.n_layers).items():
+        heads = _heads(name, shape)
         out[name] = sd.pop(hf_name) if heads is None else _half_to_interleaved(sd.pop(hf_name), heads)
     out["output.weight"] = out["output.weight"].clone()  # never shares storage with the embedding
     leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
@@ -113,19 +114,19 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
     return out
 
 
-def hf_config(args: ModelArgs, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
+def hf_config(shape: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=args.vocab_size,
-        hidden_size=args.dim,
-        intermediate_size=args.ffn_dim,
-        num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads,
-        head_dim=args.head_dim,
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.dim,
+        intermediate_size=shape.ffn_dim,
+        num_hidden_layers=shape.n_layers,
+        num_attention_heads=shape.n_heads,
+        num_key_value_heads=shape.n_kv_heads,
+        head_dim=shape.head_dim,
         hidden_act="silu",
-        max_position_embeddings=args.max_seq_len,
-        rms_norm_eps=args.norm_eps,
-        rope_theta=args.rope_theta,
+        max_position_embeddings=shape.max_seq_len,
+        rms_norm_eps=shape.norm_eps,
+        rope_theta=shape.rope_theta,
         attention_bias=False,
         mlp_bias=False,
         tie_word_embeddings=False,
@@ -145,10 +146,10 @@ def export_hf(model: Transformer, tokenizer_dir: str | Path, out_dir: Path) -> P
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty; remove it or export elsewhere")
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
-    if len(tokenizer) > model.args.vocab_size:
+    if len(tokenizer) > model.shape.vocab_size:
         raise ValueError(f"tokenizer {tokenizer_dir} has {len(tokenizer)} tokens but the model's "
-                         f"vocab_size is {model.args.vocab_size}")
-    config = hf_config(model.args, tokenizer)
+                         f"vocab_size is {model.shape.vocab_size}")
+    config = hf_config(model.shape, tokenizer)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     tmp.chmod(0o755)  # mkdtemp's 0o700 would make the export private to this user
@@ -195,9 +196,9 @@ def _check_supported(config: PretrainedConfig) -> float:
     return rope["rope_theta"]
 
 
-def model_args_from_hf(config: PretrainedConfig) -> ModelArgs:
+def model_shape_from_hf(config: PretrainedConfig) -> ModelConfig:
     rope_theta = _check_supported(config)
-    return ModelArgs(
+    return ModelConfig(
         vocab_size=config.vocab_size,
         dim=config.hidden_size,
         n_layers=config.num_hidden_layers,
@@ -211,9 +212,9 @@ def model_args_from_hf(config: PretrainedConfig) -> ModelArgs:
 
 
 def import_hf(source: str | Path | PreTrainedModel, device: torch.device | str = "cpu",
-              **from_pretrained_kwargs) -> tuple[Transformer, ModelArgs]:
+              **from_pretrained_kwargs) -> tuple[Transformer, ModelConfig]:
     """A Hugging Face Llama checkpoint -> a forgeline Transformer (fp32, eval mode) computing the
-    same logits, and its ModelArgs.
+    same logits, and its shape.
 
     Args:
         source: a loaded `LlamaForCausalLM`, or a directory `from_pretrained` loads.
@@ -222,14 +223,14 @@ def import_hf(source: str | Path | PreTrainedModel, device: torch.device | str =
     """
     if isinstance(source, PreTrainedModel):
         hf_model = source
-        args = model_args_from_hf(hf_model.config)
+        shape = model_shape_from_hf(hf_model.config)
     else:
         # Validate the config before loading any weights.
-        args = model_args_from_hf(AutoConfig.from_pretrained(str(source), **from_pretrained_kwargs))
+        shape = model_shape_from_hf(AutoConfig.from_pretrained(str(source), **from_pretrained_kwargs))
         hf_model = AutoModelForCausalLM.from_pretrained(str(source), **from_pretrained_kwargs)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(shape)
     model.to_empty(device=device)
     model.init_buffers()
-    model.load_state_dict(from_hf_state_dict(hf_model.state_dict(), args))
-    return model.eval(), args
+    model.load_state_dict(from_hf_state_dict(hf_model.state_dict(), shape))
+    return model.eval(), shape

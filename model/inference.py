@@ -11,16 +11,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from forgeline.model.checkpoint import load_model_weights, read_checkpoint_manifest
-from forgeline.model.llama import KVCache, ModelArgs, Transformer
+from forgeline.configs.schema import ModelConfig
+from forgeline.model.checkpoint.manager import load_model_weights, read_checkpoint_manifest
+from forgeline.model.llama import KVCache, Transformer
 
 BUNDLE_WEIGHTS = "model.safetensors"
-BUNDLE_ARGS = "model_args.json"
+BUNDLE_SHAPE = "model_args.json"  # the model's shape (ModelConfig); the name of the first bundles
 
 
-def _materialized(args: ModelArgs, device: torch.device | str) -> Transformer:
+def _materialized(shape: ModelConfig, device: torch.device | str) -> Transformer:
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(shape)
     model.to_empty(device=device)
     model.init_buffers()  # weights come from the caller
     return model
@@ -28,8 +29,8 @@ def _materialized(args: ModelArgs, device: torch.device | str) -> Transformer:
 
 def load_from_checkpoint(checkpoint: str | Path, device: torch.device | str = "cpu") -> Transformer:
     checkpoint = Path(checkpoint)
-    args = ModelArgs(**read_checkpoint_manifest(checkpoint)["model_args"])
-    model = _materialized(args, device)
+    shape = ModelConfig(**read_checkpoint_manifest(checkpoint)["model_args"])
+    model = _materialized(shape, device)
     load_model_weights(model, checkpoint)
     return model.eval()
 
@@ -38,13 +39,13 @@ def save_bundle(model: Transformer, out_dir: Path) -> None:
     """Weights (safetensors) and architecture (JSON): all inference needs besides a tokenizer."""
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out_dir / BUNDLE_WEIGHTS)
-    (out_dir / BUNDLE_ARGS).write_text(json.dumps(model.args.to_dict(), indent=2) + "\n")
+    (out_dir / BUNDLE_SHAPE).write_text(json.dumps(model.shape.model_dump(mode="json"), indent=2) + "\n")
 
 
 def load_bundle(bundle_dir: str | Path, device: torch.device | str = "cpu") -> Transformer:
     bundle_dir = Path(bundle_dir)
-    args = ModelArgs(**json.loads((bundle_dir / BUNDLE_ARGS).read_text()))
-    model = _materialized(args, device)
+    shape = ModelConfig(**json.loads((bundle_dir / BUNDLE_SHAPE).read_text()))
+    model = _materialized(shape, device)
     model.load_state_dict(load_file(bundle_dir / BUNDLE_WEIGHTS, device=str(device)))
     return model.eval()
 
@@ -90,14 +91,14 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
     once `stop(row, new_tokens)` is true. Prompts are cut to their last max_seq_len -
     max_new_tokens tokens."""
     device = next(model.parameters()).device
-    room = model.args.max_seq_len - max_new_tokens
+    room = model.shape.max_seq_len - max_new_tokens
     if room < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in "
-                         f"max_seq_len={model.args.max_seq_len}")
+                         f"max_seq_len={model.shape.max_seq_len}")
     prompts = [p[-room:] for p in prompts]
     width = max(len(p) for p in prompts)
     tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-    cache = KVCache(model.args, len(prompts), width + max_new_tokens, device, next(model.parameters()).dtype)
+    cache = KVCache(model.shape, len(prompts), width + max_new_tokens, device, next(model.parameters()).dtype)
     for row, prompt in enumerate(prompts):  # left-padded: every row's next token is at `width`
         tokens[row, width - len(prompt):] = torch.tensor(prompt, device=device)
         cache.valid[row, width - len(prompt):width] = True

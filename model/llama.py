@@ -1,55 +1,20 @@
 """Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
 
-Architecture only. Parallelism is applied from outside (model/parallelize.py). The model is
-meant to be built on the meta device, parallelized, then materialized with `to_empty()` and
-initialized with `init_weights()`.
+Architecture only. Its shape is a `ModelConfig` (configs/schema.py). Parallelism is applied
+from outside (model/parallel/). The model is meant to be built on the meta device, parallelized,
+then materialized with `to_empty()` and initialized with `init_weights()`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forgeline.configs.schema import ModelConfig
 from forgeline.model.init import InitFn, canonical_name, init_param_
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    vocab_size: int
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    ffn_dim: int = 688
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_seq_len: int = 512
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def num_params(self) -> int:
-        """Parameter count, without building the model."""
-        kv_dim = self.n_kv_heads * self.head_dim
-        attention = self.dim * (self.dim + 2 * kv_dim) + self.dim * self.dim
-        ffn = 3 * self.dim * self.ffn_dim
-        block = attention + ffn + 2 * self.dim
-        return 2 * self.vocab_size * self.dim + self.n_layers * block + self.dim
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token, forward + backward (PaLM appendix B): 6 per weight of every
-        matmul (all parameters but the embedding table and the norm gains) plus attention's
-        score and value products, 12 * n_layers * dim * seq_len."""
-        matmul_params = self.num_params() - self.vocab_size * self.dim - (2 * self.n_layers + 1) * self.dim
-        return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
 
 
 class RMSNorm(nn.Module):
@@ -86,10 +51,11 @@ class KVCache:
     the positions that hold real tokens. Rotary embeddings only see relative positions, so the
     padding shifts nothing."""
 
-    def __init__(self, args: ModelArgs, batch: int, max_len: int, device: torch.device, dtype: torch.dtype):
-        shape = (batch, args.n_kv_heads, max_len, args.head_dim)
-        self.keys = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
-        self.values = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
+    def __init__(self, shape: ModelConfig, batch: int, max_len: int, device: torch.device,
+                 dtype: torch.dtype):
+        size = (batch, shape.n_kv_heads, max_len, shape.head_dim)
+        self.keys = {str(i): torch.zeros(size, device=device, dtype=dtype) for i in range(shape.n_layers)}
+        self.values = {str(i): torch.zeros(size, device=device, dtype=dtype) for i in range(shape.n_layers)}
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.length = 0  # positions filled
         self.mask: torch.Tensor | None = None  # (B, 1, T, length + T) of the forward in progress
@@ -122,15 +88,15 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, shape: ModelConfig):
         super().__init__()
-        self.n_heads = args.n_heads
-        self.n_kv_heads = args.n_kv_heads
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.n_heads = shape.n_heads
+        self.n_kv_heads = shape.n_kv_heads
+        self.head_dim = shape.head_dim
+        self.wq = nn.Linear(shape.dim, shape.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(shape.n_heads * self.head_dim, shape.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
                 layer: str = "", mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,12 +132,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, shape: ModelConfig):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.attention_norm = RMSNorm(shape.dim, shape.norm_eps)
+        self.attention = Attention(shape)
+        self.ffn_norm = RMSNorm(shape.dim, shape.norm_eps)
+        self.feed_forward = FeedForward(shape.dim, shape.ffn_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
                 layer: str = "", mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,17 +155,19 @@ class Transformer(nn.Module):
     hidden states.
     """
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, shape: ModelConfig):
         super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        if shape.vocab_size is None:
+            raise ValueError("a Transformer needs the vocabulary size: ModelConfig.for_vocabulary()")
+        self.shape = shape
+        self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
         # A dict keyed by layer index, so pipeline stages can drop layers and keep the names
         # that checkpoints and initialization are keyed by.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(shape) for i in range(shape.n_layers)})
+        self.norm = RMSNorm(shape.dim, shape.norm_eps)
+        self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
         self.register_buffer(
-            "rope", rope_cache(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False
+            "rope", rope_cache(shape.head_dim, shape.max_seq_len, shape.rope_theta), persistent=False
         )
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -234,7 +202,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         """Fill the (non-persistent) buffers; call after `to_empty()`."""
-        self.rope.copy_(rope_cache(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta))
+        self.rope.copy_(rope_cache(self.shape.head_dim, self.shape.max_seq_len, self.shape.rope_theta))
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -253,9 +221,9 @@ class Transformer(nn.Module):
         if name == "tok_embeddings.weight":
             return lambda t, g: nn.init.normal_(t, std=1.0, generator=g)
         if name == "output.weight":
-            std = self.args.dim**-0.5
+            std = self.shape.dim**-0.5
         elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-            std = 0.02 / math.sqrt(2 * self.args.n_layers)
+            std = 0.02 / math.sqrt(2 * self.shape.n_layers)
         else:
             std = 0.02
         return lambda t, g: nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)

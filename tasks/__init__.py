@@ -1,8 +1,11 @@
-"""Stage logic: plain functions per stage (data, train, evaluate, register), callable without
-Prefect, and their thin Prefect task wrappers (prefect_tasks.py)."""
+"""The stages: each defined once by a record (`stage.py`), run as a tracked MLflow run
+(`runner.py`), skipped when nothing changed (`cache.py`), rendered into dvc.yaml (`dvc_yaml.py`).
+Their plain functions, callable without Prefect: the data stage (`data/`), the train stage's
+torchrun job and the operations on its checkpoints (`train/`), evaluation (`evaluate.py`),
+registration and promotion (`register.py`, `promote.py`). Beside them: MLflow runs and lineage
+(`tracking.py`), all-or-nothing files (`atomic.py`), run comparison (`compare.py`) and
+reproduction (`reproduce.py`).
 
-from forgeline.tasks.runtime import apply_env_defaults
-
-apply_env_defaults()
-
-STAGES = ("data", "train", "eval", "register")  # in the order they run
+Imports configs, model and eval; never Prefect or flows (configs <- model <- eval <- tasks <-
+flows).
+"""

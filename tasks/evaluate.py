@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,17 +25,20 @@ from matplotlib.figure import Figure
 
 from forgeline.configs import Config
 from forgeline.configs.schema import DimensionConfig, EvalConfig
-from forgeline.eval.dimensions import DIMENSIONS, TaskScore
+from forgeline.eval.dimensions import DIMENSION_TASKS, TaskScore
 from forgeline.eval.lm import ForgelineLM
+from forgeline.eval.scores import aggregate, flatten_scores
 from forgeline.eval.suite import render_suite
-from forgeline.model.checkpoint import CheckpointError, verify_checkpoint
+from forgeline.model.checkpoint.manager import CheckpointError, verify_checkpoint
 from forgeline.tasks.atomic import write_text_atomic
-from forgeline.tasks.train import read_train_summary
+from forgeline.tasks.tracking import RunTracker
+from forgeline.tasks.train.job import read_train_summary
 
 log = logging.getLogger(__name__)
 
 METRICS_NAME = "metrics.json"
 REPORT_NAME = "report.json"
+RESULTS_NAME = "lm_eval_results.json"
 CHART_NAME = "dimensions.png"
 
 
@@ -59,7 +61,7 @@ def plan_tasks(ecfg: EvalConfig) -> dict[str, tuple[list[TaskScore], DimensionCo
     standard task where there is one); unknown names fail here, before any model is loaded."""
     plan = {}
     for name, dcfg in ecfg.dimensions.items():
-        registered = {score.task: score for score in DIMENSIONS[name]}
+        registered = {score.task: score for score in DIMENSION_TASKS[name]}
         wanted = dcfg.tasks if dcfg.tasks is not None else list(registered)
         unknown = [task for task in wanted if task not in registered]
         if unknown:
@@ -80,6 +82,27 @@ def check_task_source(ecfg: EvalConfig) -> None:
         raise ValueError(f"eval.task_source=hub reads benchmark data from the Hugging Face Hub, but "
                          f"{' and '.join(offline)} is set; run with {' '.join(v + '=0' for v in offline)} "
                          f"or use eval.task_source=packaged")
+
+
+def preflight_eval(cfg: Config) -> None:
+    """The tasks exist and, for hub tasks, the Hub may be reached."""
+    plan_tasks(cfg.eval)
+    check_task_source(cfg.eval)
+
+
+def eval_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> EvalResult:
+    """The eval stage's function (tasks/stage.py)."""
+    return evaluate_model(cfg)
+
+
+def record_eval(cfg: Config, run: RunTracker, parent: RunTracker | None, result: EvalResult) -> None:
+    """Every score, the report, lm-eval's results and the chart; the scores and chart on the parent."""
+    run.log_metrics(result.metrics)
+    for name in (REPORT_NAME, RESULTS_NAME, CHART_NAME):
+        run.log_artifact(Path(result.out_dir) / name, "eval")
+    if parent:
+        parent.log_metrics({f"eval/{k}": v for k, v in result.metrics.items()})
+        parent.log_artifact(Path(result.out_dir) / CHART_NAME, "eval")
 
 
 def evaluate_model(cfg: Config) -> EvalResult:
@@ -110,54 +133,13 @@ def evaluate_model(cfg: Config) -> EvalResult:
     metrics["overall"] = report["overall"]
     result = EvalResult(out_dir=str(out_dir), checkpoint=str(checkpoint), overall=report["overall"],
                         dimensions=dimensions, metrics=metrics)
-    write_text_atomic(out_dir / "lm_eval_results.json",
+    write_text_atomic(out_dir / RESULTS_NAME,
                       json.dumps(full_results, indent=2, sort_keys=True, default=str) + "\n")
     write_text_atomic(out_dir / REPORT_NAME, json.dumps(report, indent=2) + "\n")
     write_text_atomic(out_dir / METRICS_NAME, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     plot_dimensions(dimensions, result.overall, out_dir / CHART_NAME)
     log.info("eval scores:\n%s", result.markdown())
     return result
-
-
-def flatten_scores(results: dict[str, dict]) -> dict[str, float]:
-    """{"task": {"acc,none": 0.3, "acc_stderr,none": ...}} -> {"task/acc": 0.3}. Only
-    `metric,filter` entries with a finite number are kept, standard errors dropped; a filter
-    other than `none` stays in the name (`task/exact_match/strict-match`)."""
-    flat = {}
-    for task, entries in sorted(results.items()):
-        for key, value in entries.items():
-            metric, comma, flt = key.partition(",")
-            if not comma or metric.endswith("_stderr"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                continue
-            name = f"{task}/{metric}" if flt == "none" else f"{task}/{metric}/{flt}"
-            flat[name] = float(value)
-    return flat
-
-
-def normalized(value: float, score: TaskScore) -> float:
-    """0 at chance, 1 at the best possible value, whichever direction is better."""
-    return (value - score.chance) / (score.best - score.chance)
-
-
-def aggregate(raw: dict[str, float], plan: dict[str, list[TaskScore]]) -> dict:
-    """Dimension scores (mean of their tasks' normalized values) and the overall score (mean of
-    the dimensions). A registered metric missing from the results is an error, not a zero."""
-    dimensions = {}
-    for name, scores in plan.items():
-        tasks = {}
-        for score in scores:
-            key = f"{score.task}/{score.metric}"
-            if key not in raw:
-                raise KeyError(f"{key} is not among the results; the task produced: "
-                               f"{sorted(k for k in raw if k.startswith(score.task + '/'))}")
-            tasks[score.task] = {"metric": score.metric, "value": raw[key],
-                                 "normalized": normalized(raw[key], score)}
-        dimensions[name] = {"score": sum(t["normalized"] for t in tasks.values()) / len(tasks),
-                            "tasks": tasks}
-    overall = sum(d["score"] for d in dimensions.values()) / len(dimensions)
-    return {"overall": overall, "dimensions": dimensions}
 
 
 def plot_dimensions(dimensions: dict[str, float], overall: float, path: Path) -> None:

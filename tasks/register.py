@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ import mlflow
 import pandas as pd
 import torch
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 from mlflow.models.signature import ModelSignature
 from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -28,7 +29,10 @@ from forgeline.configs import Config
 from forgeline.model.hf import export_hf
 from forgeline.model.inference import load_from_checkpoint
 from forgeline.tasks.atomic import write_text_atomic
-from forgeline.tasks.tracking import RunTracker
+from forgeline.tasks.evaluate import read_eval_metrics
+from forgeline.tasks.promote import promote
+from forgeline.tasks.tracking import DATA_VERSION_TAG, RunTracker, dvc_hash, resolve_tracking_uri
+from forgeline.tasks.train.job import read_train_summary
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,45 @@ class RegisterResult:
     version: str
     model_uri: str
     promotion: str = ""  # the promotion gate's decision, in words
+
+
+def register_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> RegisterResult:
+    """The register stage's function (tasks/stage.py): a new version of the trained checkpoint,
+    tagged with its lineage and eval scores, then the promotion gate."""
+    train = read_train_summary(cfg)
+    scores = read_eval_metrics(cfg)
+    version_tags = {DATA_VERSION_TAG: dvc_hash(cfg.data.out_dir),
+                    "forgeline.checkpoint_step": str(train.step),
+                    **{f"eval.{k}": f"{v:.6g}" for k, v in scores.items()
+                       if k == "overall" or k.startswith("dimension/")}}
+    if parent:
+        version_tags["forgeline.pipeline_run_id"] = parent.run_id
+    registered = register_model(cfg, run, train.checkpoint, str(Path(cfg.data.out_dir) / "tokenizer"),
+                                version_tags)
+    decision = promote(run.client, cfg.registry, registered.version)
+    return replace(registered, promotion=decision.describe())
+
+
+def record_registration(cfg: Config, run: RunTracker, parent: RunTracker | None,
+                        result: RegisterResult) -> None:
+    run.set_tags({"forgeline.model_version": result.version})
+    if parent:
+        parent.set_tags({"forgeline.model_name": result.model_name,
+                         "forgeline.model_version": result.version})
+
+
+def registry_input(cfg: Config) -> dict[str, str]:
+    """The registry a version was written to is part of what registering did (DVC does not see it)."""
+    return {"tracking_uri": resolve_tracking_uri(cfg)}
+
+
+def version_still_registered(cfg: Config, result: dict[str, Any]) -> str | None:
+    """Why an earlier registration no longer holds: its model version is gone."""
+    try:
+        MlflowClient(resolve_tracking_uri(cfg)).get_model_version(result["model_name"], result["version"])
+    except MlflowException:
+        return f"model version {result['model_name']}/{result['version']} is gone from the registry"
+    return None
 
 
 def register_model(cfg: Config, run: RunTracker, checkpoint: str, tokenizer_dir: str,

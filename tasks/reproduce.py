@@ -11,10 +11,13 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from forgeline.tasks.stages import DATA_VERSION_TAG
-from forgeline.tasks.tracking import git_info
+from forgeline.tasks.stage import STAGES
+from forgeline.tasks.tracking import DATA_VERSION_TAG, git_info
 
 REPRODUCES_TAG = "forgeline.reproduces"
+# What a reproduction reruns: the stages whose outputs it compares (the data version, the eval
+# scores); registering would add a version to the model the run registered.
+REPRODUCED_STAGES = ("data", "train", "eval")
 EVAL_PREFIX = "eval/"
 
 
@@ -70,9 +73,9 @@ def check_code_version(recorded: Recorded) -> None:
 
 
 def output_overrides(root: Path) -> list[str]:
-    outputs = [f"{section}.out_dir={root / name}" for section, name in
-               (("data", "data"), ("train", "train"), ("eval", "eval"), ("registry", "register"))]
-    return [*outputs, f"data.raw_dir={root / 'raw'}"]
+    """Every stage's output directory (and snapshot) under `root`, named after the stage."""
+    overrides = [f"{stage.output}={root / stage.name}" for stage in STAGES]
+    return overrides + [f"{stage.snapshot.output}={root / 'raw'}" for stage in STAGES if stage.snapshot]
 
 
 def compare(recorded: Recorded, data_md5: str, scores: dict[str, float], tolerance: float) -> list[Check]:

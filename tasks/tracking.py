@@ -30,10 +30,15 @@ from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from forgeline.configs import Config
+from forgeline.tasks.stage import PACKAGE_ROOT
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+# Lineage: the DVC md5 of the data stage's output, and of the raw snapshot it was built from.
+DATA_VERSION_TAG = "forgeline.data.dvc_md5"
+RAW_VERSION_TAG = "forgeline.data.raw_dvc_md5"
+DATASET_NAME = "forgeline-data"  # the MLflow dataset; its digest is the DVC hash of data.out_dir
 RUN_KEY_TAG = "forgeline.run_key"  # identifies the work a run records, across retries
 ATTEMPT_TAG = "forgeline.attempts"
 MAX_PARAMS_PER_BATCH = 100
@@ -72,9 +77,6 @@ def resolve_tracking_uri(cfg: Config) -> str:
 
 def resolve_artifact_location(location: str) -> str:
     return location if "://" in location else Path(location).resolve().as_uri()
-
-
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the checkout of an editable install
 
 
 def git_info(cwd: str | Path = PACKAGE_ROOT) -> dict[str, str]:

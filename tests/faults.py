@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from forgeline.model.trainer import Callback, Trainer
+from forgeline.model.training.loop import Callback, Trainer
 
 
 class _Once(Callback):

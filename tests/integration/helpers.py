@@ -60,9 +60,11 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def run(cmd: list[str], workdir: Path, timeout: float = 900) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, cwd=workdir, env=user_env(workdir), capture_output=True, text=True,
-                          timeout=timeout)
+def run(cmd: list[str], workdir: Path, timeout: float = 900,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`cmd` in `workdir` as a user would run it there (`env`: variables to add)."""
+    done = subprocess.run(cmd, cwd=workdir, env=user_env(workdir) | (env or {}), capture_output=True,
+                          text=True, timeout=timeout)
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     return done
 

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from forgeline.flows.cli import main
-from forgeline.model.checkpoint import committed_checkpoints
+from forgeline.model.checkpoint.manager import committed_checkpoints
 from forgeline.model.inference import load_bundle, load_from_checkpoint
-from forgeline.tasks.train import train_model
+from forgeline.tasks.train.job import train_model
 from tests.conftest import debug_config
 
 pytestmark = pytest.mark.integration

@@ -18,7 +18,7 @@ from forgeline.eval.lm import ForgelineLM
 from forgeline.eval.suite import render_suite
 from forgeline.model.hf import export_hf
 from forgeline.model.inference import load_from_checkpoint
-from forgeline.tasks.train import train_model
+from forgeline.tasks.train.job import train_model
 from tests.conftest import debug_config
 
 pytestmark = pytest.mark.integration

@@ -15,11 +15,11 @@ import lm_eval
 import pytest
 from lm_eval.tasks import TaskManager
 
-from forgeline.eval.dimensions import DIMENSIONS
+from forgeline.eval.dimensions import DIMENSION_TASKS
 from forgeline.eval.lm import ForgelineLM
 from forgeline.eval.sandbox import isolation
+from forgeline.eval.scores import flatten_scores
 from forgeline.eval.suite import render_suite
-from forgeline.tasks.evaluate import flatten_scores
 from tests.conftest import random_lm
 
 pytestmark = pytest.mark.integration
@@ -65,10 +65,10 @@ def evaluate(lm: ForgelineLM, task_manager: TaskManager, tasks: list[str]) -> di
                                    fewshot_random_seed=0)
 
 
-@pytest.mark.parametrize("dimension", list(DIMENSIONS))
+@pytest.mark.parametrize("dimension", list(DIMENSION_TASKS))
 def test_every_task_of_a_dimension_yields_its_registered_metric(
         dimension: str, lm: ForgelineLM, task_manager: TaskManager) -> None:
-    scores = DIMENSIONS[dimension]
+    scores = DIMENSION_TASKS[dimension]
     results = evaluate(lm, task_manager, [s.task for s in scores])
     flat = flatten_scores(results["results"])
     for score in scores:
@@ -83,7 +83,7 @@ def test_crows_pairs_runs_outside_the_registry(lm: ForgelineLM, task_manager: Ta
 
 
 def test_every_task_reads_local_files_only(task_manager: TaskManager) -> None:
-    names = [s.task for scores in DIMENSIONS.values() for s in scores] + ["forgeline_crows_pairs"]
+    names = [s.task for scores in DIMENSION_TASKS.values() for s in scores] + ["forgeline_crows_pairs"]
     for name, task in lm_eval.tasks.get_task_dict(names, task_manager).items():
         assert task.config.dataset_path in ("json", "arrow"), name
         for path in task.config.dataset_kwargs["data_files"].values():
@@ -101,8 +101,8 @@ def test_the_extracted_benchmarks_are_complete_and_interleaved(suite: Path) -> N
 
 
 def test_chance_values_are_the_mean_guessing_accuracy(task_manager: TaskManager) -> None:
-    multiple_choice = [s for scores in DIMENSIONS.values() for s in scores if s.metric in ("acc", "acc_norm")
-                       and s.task != "forgeline_lambada"]
+    multiple_choice = [s for scores in DIMENSION_TASKS.values() for s in scores
+                       if s.metric in ("acc", "acc_norm") and s.task != "forgeline_lambada"]
     tasks = lm_eval.tasks.get_task_dict([s.task for s in multiple_choice], task_manager)
     for score in multiple_choice:
         task = tasks[score.task]

@@ -14,7 +14,7 @@ import pytest
 from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.testing.utilities import prefect_test_harness
 
-from forgeline.flows.stages import eval_flow
+from forgeline.flows.stage_flows import eval_flow
 from tests.conftest import output_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

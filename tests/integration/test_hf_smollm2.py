@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import forgeline.tasks  # noqa: F401  (offline defaults: HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1)
-from forgeline.model.hf import export_hf, import_hf, model_args_from_hf
+from forgeline.model.hf import export_hf, import_hf, model_shape_from_hf
 
 pytestmark = pytest.mark.integration
 log = logging.getLogger(__name__)
@@ -65,7 +64,7 @@ def test_config_from_the_gguf_file_gives_the_same_args(smollm2) -> None:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(package_dir(), gguf_file=GGUF_FILE)
-    assert model_args_from_hf(config) == model_args_from_hf(smollm2[0].config)
+    assert model_shape_from_hf(config) == model_shape_from_hf(smollm2[0].config)
 
 
 def test_imported_smollm2_exports_back(smollm2, tmp_path: Path) -> None:

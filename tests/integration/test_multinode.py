@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from forgeline.model.checkpoint import read_checkpoint_manifest
-from forgeline.tasks.train import TrainResult, torchrun_command, train_model
+from forgeline.model.checkpoint.manager import read_checkpoint_manifest
+from forgeline.tasks.train.job import TrainResult, torchrun_command, train_model
 from tests.conftest import debug_config
 from tests.integration.helpers import free_port
 

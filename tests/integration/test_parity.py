@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from forgeline.tasks.stages import run_train_stage
+from forgeline.tasks.runner import run_stage
+from forgeline.tasks.stage import stage_named
 from forgeline.tasks.tracking import resolve_tracking_uri
 from tests.conftest import debug_config
 
@@ -44,7 +45,7 @@ LAYOUTS = {
 def step_losses(data_root: Path, root: Path, name: str, overrides: list[str]) -> list[float]:
     cfg = debug_config(root, f"data.out_dir={data_root / 'data'}", f"train.out_dir={root / name}",
                        *BASE, *overrides)
-    result = run_train_stage(cfg)
+    result = run_stage(stage_named("train"), cfg)
     assert result.step == STEPS
     client = MlflowClient(resolve_tracking_uri(cfg))
     checkpoint = Path(result.checkpoint).resolve()

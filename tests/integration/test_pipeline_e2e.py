@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from forgeline.model.data import read_manifest, split_shards
 from forgeline.model.fileio import sha256_file
+from forgeline.model.training.shards import read_manifest, split_shards
 from forgeline.tasks.tracking import dvc_hash
 from tests.integration.helpers import VENV_BIN, prefect_flow_runs, run
 

@@ -17,9 +17,10 @@ from forgeline.configs import Config
 from forgeline.flows.cli import main
 from forgeline.tasks.promote import CHAMPION_ALIAS, DECISION_TAG
 from forgeline.tasks.register import CANDIDATE_ALIAS
-from forgeline.tasks.stages import run_register_stage
+from forgeline.tasks.runner import run_stage
+from forgeline.tasks.stage import stage_named
 from forgeline.tasks.tracking import resolve_tracking_uri
-from forgeline.tasks.train import train_model
+from forgeline.tasks.train.job import train_model
 from tests.conftest import debug_config
 from tests.integration.helpers import VENV_BIN, free_port, serving, user_env
 
@@ -35,7 +36,7 @@ def register_with_scores(root: Path, data_root: Path, eval_dir: str, overall: fl
     metrics = {"overall": overall, **{f"dimension/{k}": v for k, v in dimensions.items()}}
     (root / eval_dir).mkdir()
     (root / eval_dir / "metrics.json").write_text(json.dumps(metrics))
-    result = run_register_stage(cfg)
+    result = run_stage(stage_named("register"), cfg)
     return cfg, result.version
 
 

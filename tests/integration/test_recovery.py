@@ -16,12 +16,12 @@ import yaml
 from mlflow import MlflowClient
 
 from forgeline.configs import Config
-from forgeline.model.callbacks import TrainingUnstable
-from forgeline.model.checkpoint import committed_checkpoints, verify_checkpoint
+from forgeline.model.checkpoint.manager import committed_checkpoints, verify_checkpoint
 from forgeline.model.inference import load_from_checkpoint
-from forgeline.tasks.launch import LaunchError
+from forgeline.model.training.callbacks import TrainingUnstable
 from forgeline.tasks.tracking import experiment_id, resolve_tracking_uri
-from forgeline.tasks.train import TrainResult, train_model
+from forgeline.tasks.train.job import TrainResult, train_model
+from forgeline.tasks.train.launch import LaunchError
 from tests.conftest import REPO_ROOT, debug_config
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,8 @@ from mlflow import MlflowClient
 
 from forgeline.configs import Config
 from forgeline.tasks.cache import CACHE_SOURCE_TAG, CACHE_TAG, stamp_path
-from forgeline.tasks.stages import run_data_stage
+from forgeline.tasks.runner import run_stage
+from forgeline.tasks.stage import stage_named
 from forgeline.tasks.tracking import resolve_tracking_uri
 from tests.conftest import debug_config
 
@@ -39,29 +40,29 @@ def small_corpus(root: Path) -> str:
 def test_the_data_stage_is_skipped_only_while_inputs_and_outputs_are_unchanged(tmp_path: Path) -> None:
     corpus = small_corpus(tmp_path)
     cfg = debug_config(tmp_path, corpus, "data.val_fraction=0.3")
-    first = run_data_stage(cfg)
+    first = run_stage(stage_named("data"), cfg)
     first_run = last_data_run(cfg)
-    assert first_run.data.tags[CACHE_TAG] == "miss" and stamp_path("data", cfg).is_file()
+    assert first_run.data.tags[CACHE_TAG] == "miss" and stamp_path(stage_named("data"), cfg).is_file()
 
-    assert run_data_stage(cfg) == first
+    assert run_stage(stage_named("data"), cfg) == first
     hit = last_data_run(cfg)
     assert hit.data.tags[CACHE_TAG] == "hit" and hit.data.tags[CACHE_SOURCE_TAG] == first_run.info.run_id
 
     (Path(cfg.data.out_dir) / "val_docs.jsonl").write_text("edited by hand\n")
-    run_data_stage(cfg)
+    run_stage(stage_named("data"), cfg)
     assert last_data_run(cfg).data.tags[f"{CACHE_TAG}.reason"].startswith("its output")
     assert last_data_run(cfg).data.tags[CACHE_TAG] == "miss"
 
     changed = debug_config(tmp_path, corpus, "data.val_fraction=0.4")
-    run_data_stage(changed)
+    run_stage(stage_named("data"), changed)
     assert last_data_run(cfg).data.tags[f"{CACHE_TAG}.reason"] == "changed: config"
 
-    run_data_stage(changed, force=True)
+    run_stage(stage_named("data"), changed, force=True)
     assert last_data_run(cfg).data.tags[f"{CACHE_TAG}.reason"] == "--force"
-    run_data_stage(changed)
+    run_stage(stage_named("data"), changed)
     assert last_data_run(cfg).data.tags[CACHE_TAG] == "hit"
 
     # A source file changes, the config does not: the raw snapshot, taken on every run, changes.
     (tmp_path / "corpus" / "0.txt").write_text("Document 0, rewritten. " + "Words upon words. " * 60)
-    run_data_stage(changed)
-    assert last_data_run(cfg).data.tags[f"{CACHE_TAG}.reason"] == "changed: raw"
+    run_stage(stage_named("data"), changed)
+    assert last_data_run(cfg).data.tags[f"{CACHE_TAG}.reason"] == "changed: sources"

@@ -11,8 +11,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from forgeline.model.checkpoint import MANIFEST_NAME
-from forgeline.tasks.train import train_model
+from forgeline.model.checkpoint.manager import MANIFEST_NAME
+from forgeline.tasks.train.job import train_model
 from tests.conftest import debug_config
 from tests.integration.conftest import make_bucket
 

@@ -13,11 +13,12 @@ import torch
 from mlflow import MlflowClient
 
 from forgeline.configs import Config
-from forgeline.model.checkpoint import committed_checkpoints
+from forgeline.model.checkpoint.manager import committed_checkpoints
 from forgeline.model.inference import load_from_checkpoint
-from forgeline.tasks.stages import run_train_stage
+from forgeline.tasks.runner import run_stage
+from forgeline.tasks.stage import stage_named
 from forgeline.tasks.tracking import resolve_tracking_uri
-from forgeline.tasks.train import train_model
+from forgeline.tasks.train.job import train_model
 from tests.conftest import debug_config
 
 pytestmark = pytest.mark.integration
@@ -30,7 +31,7 @@ def config(data_root: Path, tmp_path: Path, *overrides: str) -> Config:
 
 def test_train_stage_commits_checkpoints_and_logs_every_step(data_root: Path, tmp_path: Path) -> None:
     cfg = config(data_root, tmp_path)
-    result = run_train_stage(cfg)
+    result = run_stage(stage_named("train"), cfg)
     assert result.step == 20 and Path(result.checkpoint).name == "step-00000020"
     assert [c.step for c in committed_checkpoints(tmp_path / "train" / "checkpoints")] == [20, 10]
     client = MlflowClient(resolve_tracking_uri(cfg))
@@ -70,7 +71,7 @@ def test_killed_rank_is_restarted_and_resumes_from_the_latest_checkpoint(
     while not first_checkpoint.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     workers = [p for p in psutil.process_iter(["cmdline"])
-               if "forgeline.model.train" in " ".join(p.info["cmdline"] or [])
+               if "forgeline.model.training.worker" in " ".join(p.info["cmdline"] or [])
                and "torch.distributed.run" not in " ".join(p.info["cmdline"] or [])]
     assert first_checkpoint.exists() and len(workers) == 1
     workers[0].kill()  # SIGKILL, mid-run
@@ -92,7 +93,7 @@ def test_fsdp_x_tp_layout_trains_and_its_checkpoint_loads_in_one_process(
 def test_in_training_evaluation_logs_scores_at_its_steps(data_root: Path, tmp_path: Path) -> None:
     cfg = config(data_root, tmp_path, "train.peak_tflops=1",
                  "eval.during_training={every_steps: 10, tasks: [forgeline_heldout], limit: 3}")
-    run_train_stage(cfg)
+    run_stage(stage_named("train"), cfg)
     client = MlflowClient(resolve_tracking_uri(cfg))
     [run] = client.search_runs([client.get_experiment_by_name("forgeline-debug").experiment_id])
     history = client.get_metric_history(run.info.run_id, "eval/forgeline_heldout/bits_per_byte")

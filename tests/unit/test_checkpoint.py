@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from forgeline.configs.schema import CheckpointConfig
-from forgeline.model.checkpoint import (
+from forgeline.configs.schema import CheckpointConfig, ModelConfig
+from forgeline.model.checkpoint.manager import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointManager,
@@ -19,9 +19,9 @@ from forgeline.model.checkpoint import (
     load_model_weights,
     verify_checkpoint,
 )
-from forgeline.model.llama import ModelArgs, Transformer
+from forgeline.model.llama import Transformer
 
-ARGS = ModelArgs(vocab_size=50, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=16)
+ARGS = ModelConfig(vocab_size=50, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=16)
 
 
 @pytest.fixture

@@ -7,12 +7,13 @@ import yaml
 
 from forgeline.configs import load_config
 from forgeline.flows.cli import main
-from forgeline.tasks import STAGES
+from forgeline.tasks.stage import STAGE_NAMES
 
 FORGELINE = str(Path(sys.executable).parent / "forgeline")
 
 
-@pytest.mark.parametrize("verb", [[], ["run"], ["stage"], ["config"], ["config", "show"], ["plan"]],
+@pytest.mark.parametrize("verb", [[], ["run"], ["stage"], ["status"], ["stages"], ["config"],
+                                  ["config", "show"], ["plan"]],
                          ids=lambda v: " ".join(v) or "forgeline")
 def test_every_verb_has_help(verb: list[str]) -> None:
     done = subprocess.run([FORGELINE, *verb, "--help"], capture_output=True, text=True, timeout=60)
@@ -22,7 +23,7 @@ def test_every_verb_has_help(verb: list[str]) -> None:
 
 def test_stage_help_lists_the_four_stages() -> None:
     done = subprocess.run([FORGELINE, "stage", "--help"], capture_output=True, text=True, timeout=60)
-    assert all(name in done.stdout for name in STAGES)
+    assert all(name in done.stdout for name in STAGE_NAMES)
 
 
 def test_bad_config_fails_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

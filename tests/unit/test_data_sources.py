@@ -14,10 +14,16 @@ import pytest
 import webdataset as wds
 from transformers import PreTrainedTokenizerFast
 
-from forgeline.model.data import SAMPLE_FIELD, STARTS_FIELD, iter_shard, read_manifest, split_shards
 from forgeline.model.fileio import sha256_file
-from forgeline.tasks.data import build_dataset
-from forgeline.tasks.sources import SourceError, read_shakespeare
+from forgeline.model.training.shards import (
+    SAMPLE_FIELD,
+    STARTS_FIELD,
+    iter_shard,
+    read_manifest,
+    split_shards,
+)
+from forgeline.tasks.data.build import build_dataset
+from forgeline.tasks.data.sources import SourceError, read_shakespeare
 from tests.conftest import debug_config
 
 SCENES = [doc.data.decode() for doc in read_shakespeare("shakespeare")]
@@ -79,7 +85,7 @@ def test_every_source_format_is_read_and_attributed(tmp_path: Path) -> None:
 
 
 def test_packaged_code_corpus_is_the_stdlib_without_tests(tmp_path: Path) -> None:
-    from forgeline.tasks.sources import stdlib_files
+    from forgeline.tasks.data.sources import stdlib_files
 
     files = stdlib_files()
     assert len(files) > 500 and not any("test" in p.parts[:-1] for p in files)
@@ -204,8 +210,8 @@ def test_existing_tokenizer_is_loaded_instead_of_trained(tmp_path: Path) -> None
 
 
 def test_pipeline_preflight_checks_the_sources(tmp_path: Path) -> None:
-    from forgeline.tasks import STAGES
-    from forgeline.tasks.stages import preflight
+    from forgeline.tasks.runner import preflight
+    from forgeline.tasks.stage import STAGES
 
     cfg = debug_config(tmp_path, f"data.sources=[{{kind: files, path: '{tmp_path}/missing/*.txt'}}]")
     with pytest.raises(FileNotFoundError, match="missing/\\*.txt"):

@@ -10,8 +10,9 @@ from lm_eval.tasks._yaml_loader import load_yaml  # reads `!function` tags unres
 
 import forgeline.eval
 from forgeline.configs import load_config
-from forgeline.eval.dimensions import DIMENSIONS, TaskScore
-from forgeline.tasks.evaluate import aggregate, check_task_source, flatten_scores, normalized, plan_tasks
+from forgeline.eval.dimensions import DIMENSION_TASKS, TaskScore
+from forgeline.eval.scores import aggregate, flatten_scores, normalized
+from forgeline.tasks.evaluate import check_task_source, plan_tasks
 
 ACC = TaskScore(task="mc", metric="acc", chance=0.25, best=1.0)
 BPB = TaskScore(task="lm", metric="bits_per_byte", chance=8.0, best=0.0)
@@ -43,9 +44,9 @@ def test_lm_eval_results_are_flattened_without_stderr_or_aliases() -> None:
 
 
 def test_every_dimension_is_registered_and_the_default_plan_covers_it() -> None:
-    assert set(DIMENSIONS) == {"reasoning", "knowledge", "math", "code", "safety", "language_modeling"}
+    assert set(DIMENSION_TASKS) == {"reasoning", "knowledge", "math", "code", "safety", "language_modeling"}
     plan = plan_tasks(load_config("tiny.yaml").eval)
-    assert set(plan) == set(DIMENSIONS) and all(scores for scores, _ in plan.values())
+    assert set(plan) == set(DIMENSION_TASKS) and all(scores for scores, _ in plan.values())
 
 
 def test_a_task_outside_its_dimension_is_refused_before_any_work() -> None:

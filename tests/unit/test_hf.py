@@ -17,8 +17,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from forgeline.configs.schema import ModelConfig
 from forgeline.model.hf import export_hf, from_hf_state_dict, import_hf, to_hf_state_dict
-from forgeline.model.llama import ModelArgs, Transformer
+from forgeline.model.llama import Transformer
 
 SPECIALS = ["<|endoftext|>", "<|bos|>", "<|pad|>"]
 TEXTS = [
@@ -49,7 +50,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def model(tokenizer_dir: Path) -> Transformer:
     vocab_size = len(PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir)))
-    args = ModelArgs(vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+    args = ModelConfig(vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
                      norm_eps=1e-5, rope_theta=5000.0, max_seq_len=64)
     with torch.device("meta"):
         model = Transformer(args)
@@ -102,15 +103,15 @@ def test_exported_config_and_tokenizer(model: Transformer, tokenizer_dir: Path, 
     assert [config.eos_token_id, config.bos_token_id, config.pad_token_id] == ids
     assert len(set(ids)) == 3
     assert not config.tie_word_embeddings
-    assert (config.vocab_size, config.max_position_embeddings) == (model.args.vocab_size, 64)
+    assert (config.vocab_size, config.max_position_embeddings) == (model.shape.vocab_size, 64)
     assert sorted(p.name for p in exported.parent.iterdir()) == ["hf"]  # no temporary left
 
 
 def test_round_trip_gives_identical_weights(model: Transformer, exported: Path) -> None:
     ours = model.state_dict()
-    via_dict = from_hf_state_dict(to_hf_state_dict(model), model.args)
+    via_dict = from_hf_state_dict(to_hf_state_dict(model), model.shape)
     imported, args = import_hf(exported)
-    assert args == model.args
+    assert args == model.shape
     for state in (via_dict, imported.state_dict()):
         assert state.keys() == ours.keys()
         for key in ours:

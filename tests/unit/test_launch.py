@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from forgeline.tasks.launch import LaunchError, run_streaming
+from forgeline.tasks.train.launch import LaunchError, run_streaming
 
 log = logging.getLogger("forgeline.test.launch")
 

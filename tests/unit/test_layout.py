@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from forgeline.configs import ConfigError, load_config
+from forgeline.configs.schema import LayoutError, ModelConfig
 from forgeline.flows.cli import main
-from forgeline.model import parallel
-from forgeline.model.llama import ModelArgs, Transformer
-from forgeline.model.parallel import LayoutError, ParallelDims, resolve_precision
-from forgeline.model.pipeline import layer_ranges, pipeline_split, stage_ids_of_rank
+from forgeline.model.llama import Transformer
+from forgeline.model.parallel import mesh
+from forgeline.model.parallel.mesh import resolve_precision
+from forgeline.model.parallel.pipelining import layer_ranges, pipeline_split, stage_ids_of_rank
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -55,8 +56,10 @@ def test_invalid_layout_launches_nothing(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_world_size_must_match_the_degrees() -> None:
     expected = r"pp\*dp_replicate\*dp_shard\*tp = 2\*1\*2\*2 = 8 but WORLD_SIZE = 6"
+    overrides = ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"]
+    layout = load_config("tiny-single.yaml", overrides).parallel
     with pytest.raises(LayoutError, match=expected):
-        ParallelDims(pp=2, dp_replicate=1, dp_shard=2, tp=2, world_size=6)
+        layout.check_world_size(6)
 
 
 def test_auto_precision_is_fp32_on_cpu() -> None:
@@ -65,14 +68,14 @@ def test_auto_precision_is_fp32_on_cpu() -> None:
 
 
 def test_bf16_is_refused_on_a_cpu_without_native_support(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(parallel, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(mesh, "cpu_has_native_bf16", lambda: False)
     with pytest.raises(LayoutError, match="30-90x slower than fp32; use train.precision=fp32"):
         resolve_precision("bf16", "cpu")
 
 
 def test_bf16_refusal_happens_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr(parallel, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(mesh, "cpu_has_native_bf16", lambda: False)
     monkeypatch.chdir(tmp_path)
     assert main(["run", "--set", "train.precision=bf16"]) == 2
     assert "use train.precision=fp32" in capsys.readouterr().err
@@ -94,7 +97,8 @@ def test_pipeline_split_keeps_parameter_names() -> None:
     cfg = load_config("tiny.yaml", ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B",
                                     "parallel.pp_stages_per_rank=2"])
     with torch.device("meta"):
-        model = Transformer(ModelArgs(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64))
+        model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
+                                        ffn_dim=64))
     names = set()
     for pp_rank in range(2):
         for stage_id, stage in pipeline_split(model, pp_rank, cfg.parallel):

@@ -3,7 +3,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from forgeline.model.data import DataError, ShardedSampleLoader, ShardInfo, read_manifest, split_shards
+from forgeline.model.training.loader import ShardedSampleLoader
+from forgeline.model.training.shards import DataError, ShardInfo, read_manifest, split_shards
 
 
 def shards_of(data_root: Path) -> list[ShardInfo]:

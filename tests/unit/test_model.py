@@ -2,14 +2,15 @@ import pytest
 import torch
 from torch import nn
 
+from forgeline.configs.schema import ModelConfig
 from forgeline.model.inference import PackedLinear, generate_batch, pack_linears
-from forgeline.model.llama import KVCache, ModelArgs, Transformer
-from forgeline.model.metrics import straggler
+from forgeline.model.llama import KVCache, Transformer
+from forgeline.model.training.metrics import straggler
 
-ARGS = ModelArgs(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+ARGS = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 
 
-def build(seed: int = 0, args: ModelArgs = ARGS) -> Transformer:
+def build(seed: int = 0, args: ModelConfig = ARGS) -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
@@ -79,7 +80,7 @@ def test_packed_linears_compute_what_the_plain_ones_do() -> None:
 
 
 def test_training_flops_count_matmuls_and_attention() -> None:
-    args = ModelArgs(vocab_size=100, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=32)
+    args = ModelConfig(vocab_size=100, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=32)
     matmul_weights = args.num_params() - 100 * 16 - (2 * 2 + 1) * 16  # no embedding table, no norms
     assert args.flops_per_token(seq_len=64) == 6 * matmul_weights + 12 * 2 * 16 * 64
 

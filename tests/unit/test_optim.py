@@ -5,9 +5,10 @@ import torch
 import torch.distributed as dist
 
 from forgeline.configs import load_config
-from forgeline.model.amp import DynamicLossScaler
-from forgeline.model.llama import ModelArgs, Transformer
-from forgeline.model.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, warmup_cosine
+from forgeline.configs.schema import ModelConfig
+from forgeline.model.llama import Transformer
+from forgeline.model.training.amp import DynamicLossScaler
+from forgeline.model.training.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, warmup_cosine
 
 
 def test_warmup_then_cosine_to_min_ratio() -> None:
@@ -19,7 +20,7 @@ def test_warmup_then_cosine_to_min_ratio() -> None:
 
 def test_scheduler_gives_update_n_the_lr_of_step_n() -> None:
     cfg = load_config("debug.yaml")
-    model = Transformer(ModelArgs(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=8))
+    model = Transformer(ModelConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=8))
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_lr_scheduler(optimizer, cfg.train)
     seen = []
@@ -35,7 +36,7 @@ def test_scheduler_gives_update_n_the_lr_of_step_n() -> None:
 
 def test_norm_gains_are_not_decayed() -> None:
     cfg = load_config("debug.yaml")
-    model = Transformer(ModelArgs(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=8))
+    model = Transformer(ModelConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=8))
     decayed, plain = build_optimizer(model, cfg.train).param_groups
     assert all(p.ndim == 2 for p in decayed["params"]) and decayed["weight_decay"] > 0
     assert all(p.ndim == 1 for p in plain["params"]) and plain["weight_decay"] == 0
@@ -43,7 +44,7 @@ def test_norm_gains_are_not_decayed() -> None:
 
 def test_clip_matches_torch_on_plain_tensors() -> None:
     torch.manual_seed(0)
-    ours, reference = (Transformer(ModelArgs(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1,
+    ours, reference = (Transformer(ModelConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1,
                                              ffn_dim=8)) for _ in range(2))
     ours.init_weights(0)
     reference.load_state_dict(ours.state_dict())

@@ -3,17 +3,16 @@ import math
 
 import pytest
 
-from forgeline.tasks.plan import (
+from forgeline.configs.schema import ModelConfig
+from forgeline.model.parallel.planner import (
     GIB,
     Cluster,
-    ModelShape,
     Workload,
     bubble_fraction,
     daly_interval,
     format_report,
     memory_estimate,
     plan,
-    plan_for_config,
     plan_for_params,
     shape_from_params,
     storage_bandwidth,
@@ -34,7 +33,7 @@ ROWS = {
 }
 
 
-def row_inputs(name: str, **workload_overrides) -> tuple[ModelShape, Cluster, Workload]:
+def row_inputs(name: str, **workload_overrides) -> tuple[ModelConfig, Cluster, Workload]:
     row = ROWS[name]
     world = row["tp"] * row["pp"] * row["dp"]
     cluster = Cluster(row["per_node"], world // row["per_node"], row["memory_gib"], 300.0, 25.0)
@@ -74,7 +73,7 @@ def test_shape_from_params_is_llama_like_and_close() -> None:
     shape = shape_from_params(100e9)
     assert (shape.dim, shape.n_layers, shape.n_heads, shape.ffn_dim) == (10240, 80, 80, 27392)
     for target in (10e9, 100e9, 1e12):
-        assert abs(shape_from_params(target).num_params / target - 1) < 0.05
+        assert abs(shape_from_params(target).num_params() / target - 1) < 0.05
 
 
 def test_memory_totals_add_up() -> None:
@@ -127,7 +126,7 @@ def test_storage_bandwidth_article_example() -> None:
 def test_checkpoint_estimate_of_a_plan() -> None:
     result = plan(*row_inputs("100B", checkpoint_window_s=600, mtbf_hours=12))
     ckpt = result.checkpoint
-    assert ckpt.size_bytes == result.shape.num_params * 14  # bf16 weights + 12 B optimizer
+    assert ckpt.size_bytes == result.shape.num_params() * 14  # bf16 weights + 12 B optimizer
     assert ckpt.write_gb_per_s == pytest.approx(ckpt.size_bytes / 1e9 / 600)
     assert ckpt.young_interval_s == pytest.approx(math.sqrt(2 * 600 * 12 * 3600))
 
@@ -145,9 +144,8 @@ def test_comm_volumes() -> None:
 
 def test_plan_for_config_on_one_small_node() -> None:
     cluster = Cluster(8, 1, 80, 300, 25)
-    result = plan_for_config(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=4096,
-                             cluster=cluster, workload=Workload(seq_len=128, global_batch_size=64,
-                                                                num_microbatches=1))
+    shape = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=4096)
+    result = plan(shape, cluster, Workload(seq_len=128, global_batch_size=64, num_microbatches=1))
     assert (result.tp, result.pp, result.dp) == (1, 1, 8)
     assert result.bubble_fraction == 0 and result.comm.pp_bytes == 0
 
@@ -160,7 +158,7 @@ def test_format_report_is_readable() -> None:
 
 
 def test_tp_only_divides_heads_and_stays_in_node() -> None:
-    shape = ModelShape(dim=1536, n_layers=8, n_heads=12, n_kv_heads=6, ffn_dim=4096, vocab_size=1000)
+    shape = ModelConfig(dim=1536, n_layers=8, n_heads=12, n_kv_heads=6, ffn_dim=4096, vocab_size=1000)
     assert tp_candidates(shape, Cluster(8, 1, 80, 300, 25)) == [1, 2]
 
 
@@ -201,4 +199,4 @@ def test_invalid_options_are_rejected(change: dict, message: str) -> None:
 
 def test_inconsistent_shape_is_rejected() -> None:
     with pytest.raises(ValueError, match="n_kv_heads=3 must divide n_heads=8"):
-        ModelShape(dim=256, n_layers=2, n_heads=8, n_kv_heads=3, ffn_dim=512, vocab_size=100)
+        ModelConfig(dim=256, n_layers=2, n_heads=8, n_kv_heads=3, ffn_dim=512, vocab_size=100)

@@ -15,8 +15,8 @@ import pytest
 from forgeline.configs.schema import SourceConfig
 from forgeline.flows.cli import main
 from forgeline.model.fileio import sha256_file
-from forgeline.tasks.data import build_dataset
-from forgeline.tasks.raw import (
+from forgeline.tasks.data.build import build_dataset
+from forgeline.tasks.data.snapshot import (
     GZIP_LEVEL,
     SOURCES_NAME,
     SnapshotError,
@@ -26,7 +26,7 @@ from forgeline.tasks.raw import (
     source_file,
     take_snapshot,
 )
-from forgeline.tasks.sources import read_shakespeare, read_source
+from forgeline.tasks.data.sources import read_shakespeare, read_source
 from tests.conftest import debug_config
 
 SCENES = [doc.data.decode() for doc in read_shakespeare("shakespeare")]
@@ -63,7 +63,7 @@ def files_of(directory: Path) -> dict[str, bytes]:
 
 def test_documents_come_back_exactly_as_read(tmp_path: Path) -> None:
     cfg = config(tmp_path, corpus(tmp_path / "docs"))
-    take_snapshot(cfg.data)
+    take_snapshot(cfg)
     read = [doc for source in cfg.data.sources for doc in read_source(source, cfg.data.cleaning.max_chars)]
     assert load_snapshot(cfg.data) == read
     by_name = {Path(doc.name).name: doc for doc in read}
@@ -79,18 +79,18 @@ def test_documents_come_back_exactly_as_read(tmp_path: Path) -> None:
 def test_snapshots_are_byte_identical_and_an_unchanged_one_is_not_rewritten(tmp_path: Path) -> None:
     docs = corpus(tmp_path / "docs")
     first, second = config(tmp_path / "a", docs), config(tmp_path / "b", docs)
-    assert take_snapshot(first.data).written and take_snapshot(second.data).written
+    assert take_snapshot(first).written and take_snapshot(second).written
     raw = Path(first.data.raw_dir)
     assert files_of(raw) == files_of(Path(second.data.raw_dir))
     assert sorted(files_of(raw)) == sorted([SOURCES_NAME, source_file("odd files"), "shakespeare.jsonl.gz"])
 
     stamps = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in [raw, *raw.iterdir()]}
-    again = take_snapshot(first.data)
+    again = take_snapshot(first)
     assert not again.written and again.documents == 30 + len(ODD) + 1 + 2 + len(SCENES)
     assert stamps == {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in [raw, *raw.iterdir()]}
 
     (docs / "000.txt").write_text("A changed scene.")
-    assert take_snapshot(first.data).written
+    assert take_snapshot(first).written
     changed, unchanged = files_of(raw), files_of(Path(second.data.raw_dir))
     assert changed["shakespeare.jsonl.gz"] == unchanged["shakespeare.jsonl.gz"]
     assert changed[source_file("odd files")] != unchanged[source_file("odd files")]
@@ -98,7 +98,7 @@ def test_snapshots_are_byte_identical_and_an_unchanged_one_is_not_rewritten(tmp_
 
 def test_a_source_with_the_same_lines_keeps_the_compressed_file_another_zlib_wrote(tmp_path: Path) -> None:
     cfg = config(tmp_path, corpus(tmp_path / "docs"))
-    take_snapshot(cfg.data)
+    take_snapshot(cfg)
     raw = Path(cfg.data.raw_dir)
     # As if another zlib (here: another level) had compressed the same lines.
     path = raw / "shakespeare.jsonl.gz"
@@ -111,21 +111,21 @@ def test_a_source_with_the_same_lines_keeps_the_compressed_file_another_zlib_wro
     (raw / SOURCES_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     before = files_of(raw)
 
-    assert not take_snapshot(cfg.data).written
+    assert not take_snapshot(cfg).written
     assert files_of(raw) == before
-    check_snapshot(cfg.data)
+    check_snapshot(cfg)
 
     path.write_bytes(other[:-1] + b"?")  # damaged: compressed anew from the source
-    assert take_snapshot(cfg.data).written
+    assert take_snapshot(cfg).written
     assert path.read_bytes() == gzip.compress(gzip.decompress(other), GZIP_LEVEL, mtime=0)
-    check_snapshot(cfg.data)
+    check_snapshot(cfg)
 
 
 def test_sources_json_records_provenance_and_checksums(tmp_path: Path) -> None:
     docs = corpus(tmp_path / "corpus" / "root" / "docs")
     (tmp_path / "corpus" / "VERSIONS").write_text("linux-doc-6.1=6.1.158-1\npython3.11-doc=3.11.2-6\n")
     cfg = config(tmp_path, docs)
-    take_snapshot(cfg.data)
+    take_snapshot(cfg)
     raw = Path(cfg.data.raw_dir)
     index = json.loads((raw / SOURCES_NAME).read_text())
     files, shakespeare = index["sources"]
@@ -150,7 +150,7 @@ def test_the_build_from_the_snapshot_needs_no_source_and_is_the_two_step_build(t
     docs = corpus(tmp_path / "docs")
     both = build_dataset(config(tmp_path / "both", docs, "data.val_fraction=0.2", shakespeare=False))
     cfg = config(tmp_path / "steps", docs, "data.val_fraction=0.2", shakespeare=False)
-    take_snapshot(cfg.data)
+    take_snapshot(cfg)
     shutil.move(docs, tmp_path / "gone")  # the build reads the snapshot alone
     alone = build_dataset(cfg, from_snapshot=True)
     assert alone.manifest_sha256 == both.manifest_sha256
@@ -184,7 +184,7 @@ def test_from_snapshot_fails_up_front_saying_what_to_do(tmp_path: Path, monkeypa
     assert "no raw snapshot in" in missing and retake in missing
     assert main(["stage", "data", "--snapshot-only", *args[3:]]) == 0
     assert "written" in capsys.readouterr().out
-    check_snapshot(cfg.data)
+    check_snapshot(cfg)
 
     odd = Path(cfg.data.raw_dir) / source_file("odd files")
     saved = odd.read_bytes()

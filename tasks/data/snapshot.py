@@ -16,7 +16,7 @@ A source whose lines are those the snapshot already holds keeps its compressed f
 whichever zlib wrote it, so a machine with another zlib version sees an unchanged snapshot too,
 and the file is not compressed again -- and a snapshot identical to the one on disk is not
 rewritten, so DVC's hash of the directory, and its files' mtimes, stay put while the inputs do.
-The second step (`tasks/data.py`) builds from the snapshot after checking every file against its
+The second step (`build.py`) builds from the snapshot after checking every file against its
 sha256.
 """
 
@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from forgeline.configs import Config
 from forgeline.configs.schema import DataConfig, SourceConfig
 from forgeline.tasks.atomic import remove_stale_staging, replace_dir, staging_dir
-from forgeline.tasks.sources import RawDocument, read_source
+from forgeline.tasks.data.sources import RawDocument, read_source
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +75,10 @@ def source_file(label: str) -> str:
     return f"{safe}.jsonl.gz"
 
 
-def take_snapshot(dcfg: DataConfig) -> Snapshot:
-    """Read every source (after `preflight_data`) and write `dcfg.raw_dir` unless it already
-    holds exactly these bytes. Nothing is written if a source fails to read."""
+def take_snapshot(cfg: Config) -> Snapshot:
+    """Read every source of `cfg.data` (after `preflight_sources`) and write `data.raw_dir`
+    unless it already holds exactly these bytes. Nothing is written if a source fails to read."""
+    dcfg = cfg.data
     raw_dir = Path(dcfg.raw_dir)
     held = held_lines(raw_dir)
     files, entries, documents = {}, [], 0
@@ -194,10 +196,10 @@ def verified_bytes(raw_dir: Path, entry: dict) -> bytes:
     return data
 
 
-def check_snapshot(dcfg: DataConfig) -> None:
-    """Fail, saying how to fix it, unless `dcfg.raw_dir` holds an intact snapshot for `dcfg`."""
-    for entry in read_index(dcfg)["sources"]:
-        verified_bytes(Path(dcfg.raw_dir), entry)
+def check_snapshot(cfg: Config) -> None:
+    """Fail, saying how to fix it, unless `data.raw_dir` holds an intact snapshot for `cfg.data`."""
+    for entry in read_index(cfg.data)["sources"]:
+        verified_bytes(Path(cfg.data.raw_dir), entry)
 
 
 def load_snapshot(dcfg: DataConfig) -> list[RawDocument]:

@@ -1,6 +1,11 @@
-"""Process-wide defaults forgeline runs with, applied before Prefect, MLflow, datasets or
-transformers are imported (they read these at import time). Only defaults: a variable the
-user already set wins, e.g. HF_HUB_OFFLINE=0 to let lm-eval fetch hub tasks."""
+"""The process environment forgeline runs with: offline by default, telemetry off.
+
+Entry points apply it explicitly, before they import Prefect, MLflow, datasets or transformers
+(which read these at import time): the CLI, the flows, the rank program, the in-training
+evaluation and the lm-eval model class. Importing a forgeline module never changes
+`os.environ`. Only defaults: a variable the user already set wins, e.g. HF_HUB_OFFLINE=0 to let
+lm-eval fetch hub tasks.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ ENV_DEFAULTS = {
 }
 
 
-def apply_env_defaults() -> None:
+def apply_environment_defaults() -> None:
+    """Set every variable of ENV_DEFAULTS that is not set yet."""
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)

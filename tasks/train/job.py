@@ -1,8 +1,9 @@
-"""Train stage: launch `torchrun` on the rank-side program (model/train.py) and report the
+"""Train stage: launch `torchrun` on the rank program (model/training/worker.py) and report the
 checkpoint it committed.
 
-Output (`train.out_dir`): `checkpoints/step-NNNNNNNN/` (sharded DCP checkpoints),
-`config.yaml` (the resolved config the ranks ran with) and `train.json` (summary).
+Output (`train.out_dir`, laid out by model/training/outputs.py): `checkpoints/step-NNNNNNNN/`
+(sharded DCP checkpoints), `config.yaml` (the config the ranks ran with), `train.json`
+(summary) and the loss curve (`loss.csv`, `loss.png`).
 A rerun with the same model, training recipe and data resumes from the latest valid
 checkpoint (a finished run resumes at its last step and returns at once); checkpoints of any
 other configuration are discarded first, as `dvc repro` would.
@@ -20,23 +21,22 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 import yaml
 
 from forgeline.configs import Config
 from forgeline.configs.schema import resume_fingerprint
-from forgeline.model.callbacks import TrainingUnstable, unstable_report
-from forgeline.model.checkpoint import committed_checkpoints, latest_valid_checkpoint
-from forgeline.model.data import MANIFEST_NAME, read_manifest
+from forgeline.model.checkpoint.manager import committed_checkpoints, latest_valid_checkpoint
 from forgeline.model.fileio import sha256_file
-from forgeline.model.parallel import resolve_precision
+from forgeline.model.parallel.mesh import local_device_type, resolve_precision
+from forgeline.model.training.callbacks import TrainingUnstable, unstable_report
+from forgeline.model.training.outputs import TrainOutputs
+from forgeline.model.training.shards import MANIFEST_NAME, read_manifest
 from forgeline.tasks.atomic import write_text_atomic
-from forgeline.tasks.launch import LaunchError, run_streaming
-from forgeline.tasks.tracking import git_info, resolve_tracking_uri
+from forgeline.tasks.tracking import DATASET_NAME, RunTracker, dvc_hash, git_info, resolve_tracking_uri
+from forgeline.tasks.train.curves import write_loss_curve
+from forgeline.tasks.train.launch import LaunchError, run_streaming
 
 log = logging.getLogger(__name__)
-
-SUMMARY_NAME = "train.json"
 
 
 # torchrun's line for a worker that died, e.g. "failed (exitcode: -9) local_rank: 1 (pid: 42)".
@@ -66,20 +66,59 @@ def describe_failure(line: str) -> str | None:
     return f"local rank {local_rank} (pid {pid}) {how}"
 
 
+def preflight_precision(cfg: Config) -> None:
+    """The training precision suits this machine (bf16 only where it is native)."""
+    resolve_precision(cfg.train.precision, local_device_type())
+
+
+def train_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> TrainResult:
+    """The train stage's function (tasks/stage.py): the torchrun job, its step metrics in `run`,
+    then the loss curve."""
+    trained = train_model(cfg, mlflow_run_id=run.run_id)
+    write_loss_curve(run.client, run.run_id, TrainOutputs(Path(trained.out_dir)))
+    return trained
+
+
+def record_training(cfg: Config, run: RunTracker, parent: RunTracker | None, result: TrainResult) -> None:
+    """The data it trained on, the summary metrics, where the checkpoint is, each worker failure,
+    the resolved config and the loss curve; the same, and the train run, on the parent."""
+    outputs = TrainOutputs(Path(result.out_dir))
+    run.log_dataset(DATASET_NAME, cfg.data.out_dir, dvc_hash(cfg.data.out_dir), "training")
+    summary = {"final_loss": result.loss, "tokens_seen": result.tokens_seen,
+               "worker_failures": len(result.failures)}
+    run.log_metrics(summary, step=result.step)
+    checkpoint = {"forgeline.checkpoint": str(Path(result.checkpoint).resolve()),
+                  "forgeline.checkpoint_uri": checkpoint_uri(cfg, result.checkpoint)}
+    failures = {f"forgeline.worker_failure.{i + 1}": why for i, why in enumerate(result.failures)}
+    run.set_tags(checkpoint | failures)
+    run.log_artifact(outputs.config)
+    run.log_artifact(outputs.loss_plot, "train")
+    if parent:
+        parent.log_artifact(outputs.loss_plot, "train")
+        parent.log_metrics({f"train/{k}": v for k, v in summary.items()}, step=result.step)
+        parent.set_tags({**checkpoint, "forgeline.train_run_id": run.run_id})
+
+
+def checkpoint_uri(cfg: Config, checkpoint: str) -> str:
+    """Where the checkpoint lives for good: its upload under checkpoint.persistent_url, else the
+    local directory."""
+    if cfg.checkpoint.persistent_url:
+        return f"{cfg.checkpoint.persistent_url.rstrip('/')}/{Path(checkpoint).name}"
+    return Path(checkpoint).resolve().as_uri()
+
+
 def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
     """Run the train stage; step metrics go to `mlflow_run_id` when given."""
     data_dir = Path(cfg.data.out_dir)
-    read_manifest(data_dir)  # fail before launching anything if the data stage has not run
-    resolve_precision(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
-    out_dir = Path(cfg.train.out_dir)
-    checkpoint_root = out_dir / "checkpoints"
+    manifest = read_manifest(data_dir)  # fail before launching anything if the data stage has not run
+    cfg.model.for_vocabulary(manifest["vocab_size"])  # and if the model's vocabulary is not the data's
+    preflight_precision(cfg)
+    outputs = TrainOutputs(Path(cfg.train.out_dir))
     fingerprint = resume_fingerprint(cfg, sha256_file(data_dir / MANIFEST_NAME))
-    discard_foreign_checkpoints(checkpoint_root, fingerprint)
+    discard_foreign_checkpoints(outputs.checkpoints, fingerprint)
 
-    config_path = out_dir / "config.yaml"
-    # Python mode, not JSON: YAML keeps what JSON cannot (a NaN in a callback argument, say).
-    write_text_atomic(config_path, yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-    cmd = torchrun_command(cfg, config_path, mlflow_run_id)
+    write_text_atomic(outputs.config, rank_config_yaml(cfg))
+    cmd = torchrun_command(cfg, outputs.config, mlflow_run_id)
     failures: list[str] = []
     rank_exceptions: list[str] = []
 
@@ -93,20 +132,20 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
     try:
         run_streaming(cmd, launch_env(cfg), cfg.train.timeout_s, log, on_line=note_failure)
     except LaunchError as err:
-        report = unstable_report(out_dir, fingerprint)
+        report = unstable_report(outputs.unstable_report, fingerprint)
         if report:
             raise TrainingUnstable(report) from None
         if rank_exceptions:  # lead with what went wrong, not with torchrun's summary
             raise LaunchError(f"training failed: {rank_exceptions[-1]}\n{err}") from None
         raise
 
-    final = latest_valid_checkpoint(checkpoint_root)
+    final = latest_valid_checkpoint(outputs.checkpoints)
     if final is None or final.step != cfg.train.steps:
         found = "none" if final is None else f"step {final.step}"
         raise LaunchError(f"torchrun exited cleanly but the latest valid checkpoint in "
-                          f"{checkpoint_root} is {found}, expected step {cfg.train.steps}")
+                          f"{outputs.checkpoints} is {found}, expected step {cfg.train.steps}")
     result = TrainResult(
-        out_dir=str(out_dir),
+        out_dir=str(outputs.root),
         checkpoint=str(final.path),
         step=final.step,
         loss=final.manifest["loss"],
@@ -114,12 +153,22 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
         layout=final.manifest["layout"],
         failures=failures,
     )
-    write_text_atomic(out_dir / SUMMARY_NAME, json.dumps(asdict(result), indent=2) + "\n")
+    write_text_atomic(outputs.summary, json.dumps(asdict(result), indent=2) + "\n")
     return result
 
 
+def rank_config_yaml(cfg: Config) -> str:
+    """The config the ranks run with: the sections they read, whole, and of the eval section what
+    concerns training -- not the rest, which is no input of the stage (the parent run keeps the
+    whole config), so that a rerun of a stage after this one does not change this stage's output.
+    Python mode, not JSON: YAML keeps what JSON cannot (a NaN in a callback argument, say)."""
+    read = cfg.model_dump(include={"data", "model", "parallel", "train", "checkpoint"})
+    read["eval"] = cfg.eval.model_dump(include={"during_training", "batch_size"})
+    return yaml.safe_dump(read, sort_keys=False)
+
+
 def read_train_summary(cfg: Config) -> TrainResult:
-    path = Path(cfg.train.out_dir) / SUMMARY_NAME
+    path = TrainOutputs(Path(cfg.train.out_dir)).summary
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run the train stage first (`forgeline stage train`)")
     return TrainResult(**json.loads(path.read_text()))
@@ -145,13 +194,13 @@ def torchrun_command(cfg: Config, config_path: Path, mlflow_run_id: str | None) 
         rendezvous = ["--standalone"]
     else:
         rendezvous = [f"--nnodes={par.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={par.rdzv_endpoint}",
-                      f"--rdzv-id=forgeline-{cfg.section_hash()[:12]}"]
+                      f"--rdzv-id=forgeline-{cfg.content_hash()[:12]}"]
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         *rendezvous,
         f"--nproc-per-node={par.nproc_per_node}",
         f"--max-restarts={cfg.train.max_restarts}",
-        "-m", "forgeline.model.train",
+        "-m", "forgeline.model.training.worker",
         "--config", str(config_path),
     ]
     if mlflow_run_id:

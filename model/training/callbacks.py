@@ -1,4 +1,4 @@
-"""The loop's side concerns as callbacks, in the order train.py installs them: the hang
+"""The loop's side concerns as callbacks, in the order worker.py installs them: the hang
 watchdog, metrics, stability (skip / roll back), checkpoints, then user callbacks."""
 
 from __future__ import annotations
@@ -19,13 +19,11 @@ from typing import Any
 from torch.distributed.checkpoint.stateful import Stateful
 
 from forgeline.configs.schema import CallbackSpec, InTrainingEvalConfig, TrainConfig
-from forgeline.model.checkpoint import MANIFEST_NAME, CheckpointManager, step_dir_name
-from forgeline.model.metrics import MetricsLogger
-from forgeline.model.trainer import Callback, Trainer
+from forgeline.model.checkpoint.manager import MANIFEST_NAME, CheckpointManager, step_dir_name
+from forgeline.model.training.loop import Callback, Trainer
+from forgeline.model.training.metrics import MetricsLogger
 
 log = logging.getLogger(__name__)
-
-UNSTABLE_REPORT = "unstable.json"
 
 
 class TrainingUnstable(RuntimeError):
@@ -225,13 +223,12 @@ def load_callback(spec: CallbackSpec) -> Callback:
     module_name, _, class_name = spec.path.partition(":")
     callback_class = getattr(importlib.import_module(module_name), class_name)
     if not (isinstance(callback_class, type) and issubclass(callback_class, Callback)):
-        raise TypeError(f"train.callbacks: {spec.path} is not a forgeline.model.trainer.Callback")
+        raise TypeError(f"train.callbacks: {spec.path} is not a forgeline.model.training.loop.Callback")
     return callback_class(**spec.args)
 
 
-def unstable_report(out_dir: Path, fingerprint: str) -> str | None:
-    """The report of a run of this configuration that gave up on instability, if any."""
-    path = out_dir / UNSTABLE_REPORT
+def unstable_report(path: Path, fingerprint: str) -> str | None:
+    """The report at `path` of a run of this configuration that gave up on instability, if any."""
     if not path.is_file():
         return None
     report = json.loads(path.read_text())

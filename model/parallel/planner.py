@@ -34,14 +34,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
-from forgeline.configs.schema import Config
+from forgeline.configs.schema import ACTIVATION_CHECKPOINT_MODES, ActivationCheckpoint, Config, ModelConfig
 
 GIB = 2**30
 GB = 1e9
-ACTIVATION_MODES = ("none", "selective", "full")
-ActivationMode = Literal["none", "selective", "full"]
 
 REFERENCE_DIFFERENCES = """Where the planner meets the article's table (section 1.2) and where it does not.
 
@@ -59,34 +56,6 @@ micro-batch 1 (global batch = DP x 16 micro-batches), no recomputation, plain DP
   asks for, so the planner raises ValueError (with max_pp=8, the article's PP). The table's row
   implies the optimizer state is sharded over DP: with zero_stage=1 its TP=16 PP=8 layout fits.
 """
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Llama-style decoder shape; the fields of forgeline's `ModelConfig`."""
-
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int
-
-    def __post_init__(self) -> None:
-        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} must divide dim={self.dim}, and "
-                             f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
-
-    @property
-    def layer_params(self) -> int:
-        """One block: wq and wo (dim^2 each), wk and wv (dim * kv_dim each), SwiGLU, two norms."""
-        kv_dim = self.n_kv_heads * self.dim // self.n_heads
-        return 2 * self.dim * (self.dim + kv_dim) + 3 * self.dim * self.ffn_dim + 2 * self.dim
-
-    @property
-    def num_params(self) -> int:
-        """Same count as `ModelArgs.num_params`: untied embedding and output head, final norm."""
-        return self.n_layers * self.layer_params + 2 * self.vocab_size * self.dim + self.dim
 
 
 @dataclass(frozen=True)
@@ -113,7 +82,7 @@ class Workload:
     """Sequences per optimizer step."""
     num_microbatches: int
     """Micro-batches per step on each pipeline; the micro-batch size is G / (dp * m)."""
-    activation_checkpointing: ActivationMode = "selective"
+    activation_checkpointing: ActivationCheckpoint = "selective"
     param_bytes: int = 2
     """Bytes per weight and per gradient (bf16); activations use the same 16-bit type."""
     optimizer_bytes: int = 12
@@ -182,7 +151,7 @@ class CheckpointEstimate:
 class Plan:
     """The chosen layout, its inputs, and what it costs."""
 
-    shape: ModelShape
+    shape: ModelConfig
     cluster: Cluster
     workload: Workload
     tp: int
@@ -197,7 +166,7 @@ class Plan:
     checkpoint: CheckpointEstimate
 
 
-def activation_bytes_per_layer(shape: ModelShape, seq_len: int, micro_batch: float, tp: int,
+def activation_bytes_per_layer(shape: ModelConfig, seq_len: int, micro_batch: float, tp: int,
                                mode: str) -> float:
     """Bytes one block keeps for backward per micro-batch, with TP and sequence parallelism.
 
@@ -244,7 +213,7 @@ def daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
     return young_interval(checkpoint_s, mtbf_s) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - checkpoint_s
 
 
-def shape_from_params(num_params: float, vocab_size: int = 32000) -> ModelShape:
+def shape_from_params(num_params: float, vocab_size: int = 32000) -> ModelConfig:
     """A plausible Llama-like shape with about `num_params` parameters.
 
     Rule: head_dim 128 and full multi-head attention (n_kv_heads = n_heads); dim ~ 128 * n_layers,
@@ -255,12 +224,13 @@ def shape_from_params(num_params: float, vocab_size: int = 32000) -> ModelShape:
     """
     dim = 2048 * max(1, round((128 * num_params / 12) ** (1 / 3) / 2048))
     ffn_dim = 256 * math.ceil(8 * dim / 3 / 256)
-    head = ModelShape(dim, 1, dim // 128, dim // 128, ffn_dim, vocab_size)
+    head = ModelConfig(dim=dim, n_layers=1, n_heads=dim // 128, n_kv_heads=dim // 128, ffn_dim=ffn_dim,
+                       vocab_size=vocab_size)
     n_layers = (num_params - 2 * vocab_size * dim) / head.layer_params
-    return ModelShape(dim, max(8, 8 * round(n_layers / 8)), dim // 128, dim // 128, ffn_dim, vocab_size)
+    return head.model_copy(update={"n_layers": max(8, 8 * round(n_layers / 8))})
 
 
-def memory_estimate(shape: ModelShape, cluster: Cluster, workload: Workload, tp: int, pp: int,
+def memory_estimate(shape: ModelConfig, cluster: Cluster, workload: Workload, tp: int, pp: int,
                     dp: float) -> MemoryEstimate:
     """Per-device bytes for a layout; activations assume 1F1B, whose first stage keeps min(p, m)
     micro-batches of ceil(L/p) layers in flight, so PP barely shrinks activations and TP does."""
@@ -275,7 +245,7 @@ def memory_estimate(shape: ModelShape, cluster: Cluster, workload: Workload, tp:
     def per_layer(mode: str) -> float:
         return activation_bytes_per_layer(shape, workload.seq_len, micro_batch, tp, mode)
 
-    activations = {mode: in_flight * per_layer(mode) for mode in ACTIVATION_MODES}
+    activations = {mode: in_flight * per_layer(mode) for mode in ACTIVATION_CHECKPOINT_MODES}
     activations["full"] += per_layer("none")  # the block being recomputed holds all its tensors
     return MemoryEstimate(
         params=params * workload.param_bytes / sharded(3),
@@ -287,7 +257,7 @@ def memory_estimate(shape: ModelShape, cluster: Cluster, workload: Workload, tp:
     )
 
 
-def comm_estimate(shape: ModelShape, cluster: Cluster, workload: Workload, tp: int, pp: int,
+def comm_estimate(shape: ModelConfig, cluster: Cluster, workload: Workload, tp: int, pp: int,
                   dp: int) -> CommEstimate:
     """Per-step traffic of one device, ring algorithms.
 
@@ -311,12 +281,12 @@ def comm_estimate(shape: ModelShape, cluster: Cluster, workload: Workload, tp: i
                         tp_bytes / intra, dp_bytes / dp_link, pp_bytes / pp_link)
 
 
-def checkpoint_estimate(shape: ModelShape, workload: Workload) -> CheckpointEstimate:
+def checkpoint_estimate(shape: ModelConfig, workload: Workload) -> CheckpointEstimate:
     """Checkpoint size, the storage bandwidth the save window needs, and the Young/Daly interval.
 
     C (the write time) is the save window, i.e. storage delivering exactly the needed bandwidth.
     """
-    size = shape.num_params * (workload.param_bytes + workload.optimizer_bytes)
+    size = shape.num_params() * (workload.param_bytes + workload.optimizer_bytes)
     gb_per_s, gbit_per_s = storage_bandwidth(size, workload.checkpoint_window_s)
     mtbf_s = workload.mtbf_hours * 3600
     return CheckpointEstimate(size, gb_per_s, gbit_per_s,
@@ -324,13 +294,13 @@ def checkpoint_estimate(shape: ModelShape, workload: Workload) -> CheckpointEsti
                               daly_interval(workload.checkpoint_window_s, mtbf_s))
 
 
-def tp_candidates(shape: ModelShape, cluster: Cluster) -> list[int]:
+def tp_candidates(shape: ModelConfig, cluster: Cluster) -> list[int]:
     """Powers of two within a node that divide both head counts, smallest first."""
     powers = [2**k for k in range(int(math.log2(cluster.accelerators_per_node)) + 1)]
     return [tp for tp in powers if shape.n_heads % tp == 0 and shape.n_kv_heads % tp == 0]
 
 
-def plan(shape: ModelShape, cluster: Cluster, workload: Workload) -> Plan:
+def plan(shape: ModelConfig, cluster: Cluster, workload: Workload) -> Plan:
     """The layout the module docstring's rules choose, with its estimates.
 
     Raises:
@@ -356,12 +326,6 @@ def plan(shape: ModelShape, cluster: Cluster, workload: Workload) -> Plan:
     raise ValueError(_no_fit_message(cluster, workload, leanest, rejected))
 
 
-def plan_for_config(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int,
-                    vocab_size: int, cluster: Cluster, workload: Workload) -> Plan:
-    """`plan` for the model fields of a forgeline config."""
-    return plan(ModelShape(dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_size), cluster, workload)
-
-
 def plan_for_params(num_params: float, cluster: Cluster, workload: Workload,
                     vocab_size: int = 32000) -> Plan:
     """`plan` for a parameter count, using the shape `shape_from_params` derives."""
@@ -373,7 +337,7 @@ def format_report(result: Plan) -> str:
     s, c, w, m, comm, ckpt = (result.shape, result.cluster, result.workload, result.memory, result.comm,
                               result.checkpoint)
     rows = [
-        ("model", f"{_count(s.num_params)} params: dim {s.dim}, {s.n_layers} layers, heads "
+        ("model", f"{_count(s.num_params())} params: dim {s.dim}, {s.n_layers} layers, heads "
                   f"{s.n_heads}/{s.n_kv_heads}, ffn {s.ffn_dim}, vocab {s.vocab_size}"),
         ("layout", f"TP={result.tp} PP={result.pp} DP={result.dp}, {c.num_nodes}x{c.accelerators_per_node}"),
         ("micro-batches", f"{w.num_microbatches} x {result.micro_batch_size} seq of {w.seq_len}; "
@@ -381,7 +345,7 @@ def format_report(result: Plan) -> str:
     ]
     per_device = [("params", m.params), ("grads", m.grads), (f"optimizer (ZeRO-{w.zero_stage})", m.optimizer)]
     per_device += [(f"act {mode}{' <- used' * (mode == m.mode)}", m.activations[mode])
-                   for mode in ACTIVATION_MODES]
+                   for mode in ACTIVATION_CHECKPOINT_MODES]
     rows += [(label, f"{value / GIB:.2f} GiB/device") for label, value in per_device]
     rows += [
         ("total", f"{m.total / GIB:.2f} of {m.usable / GIB:.2f} GiB usable "
@@ -403,7 +367,7 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def _stage_params(shape: ModelShape, pp: int) -> int:
+def _stage_params(shape: ModelConfig, pp: int) -> int:
     """Weights of the heaviest stage: ceil(L/p) blocks plus the embedding or the head and final
     norm (both when pp == 1). Norms are counted whole on every TP rank: they are tiny."""
     ends = 2 if pp == 1 else 1
@@ -445,16 +409,16 @@ def _no_fit_message(cluster: Cluster, workload: Workload, leanest: tuple[float, 
 
 def _validate(workload: Workload) -> None:
     """Reject option values that would otherwise silently act like another one."""
-    if workload.activation_checkpointing not in ACTIVATION_MODES:
+    if workload.activation_checkpointing not in ACTIVATION_CHECKPOINT_MODES:
         raise ValueError(f"activation_checkpointing={workload.activation_checkpointing!r}; "
-                         f"use one of {ACTIVATION_MODES}")
+                         f"use one of {ACTIVATION_CHECKPOINT_MODES}")
     if workload.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={workload.zero_stage}; use 0, 1, 2 or 3")
     if not 0 < workload.usable_memory_fraction <= 1:
         raise ValueError(f"usable_memory_fraction={workload.usable_memory_fraction} must be in (0, 1]")
 
 
-def _make_plan(shape: ModelShape, cluster: Cluster, workload: Workload, tp: int, pp: int,
+def _make_plan(shape: ModelConfig, cluster: Cluster, workload: Workload, tp: int, pp: int,
                memory: MemoryEstimate) -> Plan:
     dp = cluster.world_size // (tp * pp)
     return Plan(shape, cluster, workload, tp, pp, dp, micro_batch_size=_micro_batch(workload, dp),
@@ -466,12 +430,12 @@ def _make_plan(shape: ModelShape, cluster: Cluster, workload: Workload, tp: int,
 
 def plan_run_config(cfg: Config, cluster: Cluster, workload: Workload,
                     num_params: float | None = None) -> Plan:
-    """Plan for a forgeline config's model (or, given `num_params`, a derived shape of that size)."""
+    """Plan for a forgeline config's model (or, given `num_params`, a derived shape of that size);
+    the vocabulary is the model's, else the size the data stage trains its tokenizer to."""
+    vocab_size = cfg.model.vocab_size or cfg.data.vocab_size
     if num_params is not None:
-        return plan_for_params(num_params, cluster, workload, vocab_size=cfg.data.vocab_size)
-    m = cfg.model
-    return plan_for_config(m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, cfg.data.vocab_size,
-                           cluster, workload)
+        return plan_for_params(num_params, cluster, workload, vocab_size=vocab_size)
+    return plan(cfg.model.for_vocabulary(vocab_size), cluster, workload)
 
 
 def apply_plan(cfg: Config, result: Plan) -> Config:

@@ -1,7 +1,7 @@
 """Reading the data stage's sources into raw documents, and checking them before any work.
 
 Every reader yields `RawDocument`s with the undecoded bytes of one document, so the cleaning
-step (tasks/clean.py) decides in one place what invalid UTF-8, binary data and oversized input
+step (clean.py) decides in one place what invalid UTF-8, binary data and oversized input
 become. `preflight_sources` runs before anything is read or written: a missing path, an
 unreadable file or a parquet file without its text column fails there, naming the file.
 """
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from forgeline.configs import Config
 from forgeline.configs.schema import SourceConfig
 
 SCENE_HEADING = re.compile(r"^### ", re.MULTILINE)
@@ -43,9 +44,9 @@ class RawDocument:
     size: int  # bytes
 
 
-def preflight_sources(sources: list[SourceConfig]) -> None:
-    """Fail before any work if a source cannot be read."""
-    for source in sources:
+def preflight_sources(cfg: Config) -> None:
+    """Fail before any work if a source of `cfg.data` cannot be read."""
+    for source in cfg.data.sources:
         if source.kind == "files":
             for path in matching_files(source.path):
                 if not os.access(path, os.R_OK):

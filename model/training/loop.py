@@ -1,6 +1,6 @@
-"""The training loop: the Trainer decides *when* things happen, TrainStep (model/step.py)
-*what* a step does; side concerns -- metrics, checkpoints, stability, the hang watchdog, user
-code -- hang off the loop as callbacks (model/callbacks.py)."""
+"""The training loop: the Trainer decides *when* things happen, TrainStep (step.py) *what* a
+step does; side concerns -- metrics, checkpoints, stability, the hang watchdog, user code --
+hang off the loop as callbacks (callbacks.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from forgeline.model.amp import DynamicLossScaler
-from forgeline.model.data import ShardedSampleLoader
-from forgeline.model.step import StepResult, TrainStep
+from forgeline.model.training.amp import DynamicLossScaler
+from forgeline.model.training.loader import ShardedSampleLoader
+from forgeline.model.training.step import StepResult, TrainStep
 
 
 class TrainerState(Stateful):

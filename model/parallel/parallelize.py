@@ -1,7 +1,7 @@
 """Parallelism applied to a Transformer (or one pipeline stage of it) from outside, one
 function per technique, in this order -- each step assumes the previous ones:
 
-    build on meta -> pipeline_split (model/pipeline.py) -> apply_tp -> apply_ac -> apply_compile
+    build on meta -> pipeline_split (pipelining.py) -> apply_tp -> apply_ac -> apply_compile
     -> apply_fsdp -> to_empty() + init_weights(seed)
 
 TP comes first so activation checkpointing and compile see the tensor-parallel modules; FSDP2
@@ -29,21 +29,21 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from forgeline.configs.schema import ParallelConfig
 from forgeline.model.llama import Transformer
-from forgeline.model.parallel import ParallelDims
+from forgeline.model.parallel.mesh import fsdp_mesh
 
 
-def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh, cfg: ParallelConfig,
+def parallelize(model: Transformer, layout: ParallelConfig, mesh: DeviceMesh,
                 param_dtype: torch.dtype) -> None:
-    if dims.tp_enabled:
-        apply_tp(model, mesh["tp"], cfg.sequence_parallel, cfg.loss_parallel)
-    if cfg.activation_checkpoint != "none":
-        apply_ac(model, cfg.activation_checkpoint)
-    if cfg.compile:
+    if layout.tp > 1:
+        apply_tp(model, mesh["tp"], layout.sequence_parallel, layout.loss_parallel)
+    if layout.activation_checkpoint != "none":
+        apply_ac(model, layout.activation_checkpoint)
+    if layout.compile:
         apply_compile(model)
-    if dims.dp_enabled:
+    if layout.dp > 1:
         # Under pipeline parallelism every microbatch would re-gather the parameters if they
         # were resharded after each forward.
-        apply_fsdp(model, dims.fsdp_mesh(mesh), param_dtype, reshard_after_forward=not dims.pp_enabled)
+        apply_fsdp(model, fsdp_mesh(layout, mesh), param_dtype, reshard_after_forward=layout.pp == 1)
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:

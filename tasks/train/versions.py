@@ -1,5 +1,5 @@
-"""Operating on checkpoint versions: list, verify, roll back, export. Plain functions over a
-checkpoint root (`<train.out_dir>/checkpoints`); `forgeline checkpoints ...` calls them."""
+"""Operating on the checkpoint versions of a train stage's output: list, verify, roll back,
+export. Plain functions over its `TrainOutputs`; `forgeline checkpoints ...` calls them."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from forgeline.model.callbacks import UNSTABLE_REPORT
-from forgeline.model.checkpoint import (
+from forgeline.model.checkpoint.manager import (
     CheckpointError,
     CheckpointInfo,
     committed_checkpoints,
@@ -18,6 +17,7 @@ from forgeline.model.checkpoint import (
 )
 from forgeline.model.hf import export_hf
 from forgeline.model.inference import load_from_checkpoint, save_bundle
+from forgeline.model.training.outputs import TrainOutputs
 from forgeline.tasks.atomic import replace_dir, staging_dir
 
 ROLLED_BACK_PREFIX = "rolled-back-"
@@ -71,8 +71,8 @@ def rollback(root: Path, step: int) -> Path:
         archive.mkdir()
     for path in newer:
         path.rename(archive / path.name)
-    out_dir = root.parent
-    for stale in (out_dir / "train.json", out_dir / UNSTABLE_REPORT):
+    outputs = TrainOutputs(root.parent)  # root is its `checkpoints`
+    for stale in (outputs.summary, outputs.unstable_report):
         stale.unlink(missing_ok=True)
     return archive
 

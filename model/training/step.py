@@ -19,8 +19,8 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from forgeline.model.amp import DynamicLossScaler
-from forgeline.model.optim import clip_grad_norm_
+from forgeline.model.training.amp import DynamicLossScaler
+from forgeline.model.training.optim import clip_grad_norm_
 
 
 @dataclass

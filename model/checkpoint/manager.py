@@ -44,8 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from forgeline.configs.schema import CheckpointConfig
+from forgeline.model.checkpoint.tiers import PersistentTier
 from forgeline.model.fileio import fsync_path, sha256_file
-from forgeline.model.storage import PersistentTier
 
 log = logging.getLogger(__name__)
 

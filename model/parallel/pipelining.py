@@ -42,40 +42,40 @@ def stage_ids_of_rank(pp_rank: int, pp: int, stages_per_rank: int, v_style: bool
     return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
-def pipeline_split(model: Transformer, pp_rank: int, cfg: ParallelConfig) -> list[tuple[int, Transformer]]:
+def pipeline_split(model: Transformer, pp_rank: int, layout: ParallelConfig) -> list[tuple[int, Transformer]]:
     """This rank's stages as (stage index, stage module), each a copy of the meta model with
     the other stages' parts removed. Parameter names are kept, so checkpoints and
     initialization line up with the unsplit model."""
-    ranges = layer_ranges(model.args.n_layers, cfg.num_stages)
+    ranges = layer_ranges(model.shape.n_layers, layout.num_stages)
     stages = []
-    v_style = cfg.pp_schedule in V_SCHEDULES
-    for stage_id in stage_ids_of_rank(pp_rank, cfg.pp, cfg.pp_stages_per_rank, v_style):
+    v_style = layout.pp_schedule in V_SCHEDULES
+    for stage_id in stage_ids_of_rank(pp_rank, layout.pp, layout.pp_stages_per_rank, v_style):
         stage = copy.deepcopy(model)
         for key in list(stage.layers):
             if int(key) not in ranges[stage_id]:
                 del stage.layers[key]
         if stage_id != 0:
             stage.tok_embeddings = None
-        if stage_id != cfg.num_stages - 1:
+        if stage_id != layout.num_stages - 1:
             stage.norm = None
             stage.output = None
         stages.append((stage_id, stage))
     return stages
 
 
-def build_schedule(stages: list[tuple[int, Transformer]], cfg: ParallelConfig, pp_mesh: DeviceMesh,
+def build_schedule(stages: list[tuple[int, Transformer]], layout: ParallelConfig, pp_mesh: DeviceMesh,
                    device: torch.device, loss_fn: Callable) -> _PipelineSchedule:
     """The configured schedule over this rank's (already parallelized and materialized)
     stages. `loss_fn` must already divide by the microbatch count: the schedule's own
     scale_grads would divide the whole accumulated gradient again on every step() of a
     gradient accumulation."""
     pipeline_stages = [
-        PipelineStage(module, stage_id, cfg.num_stages, device, group=pp_mesh.get_group())
+        PipelineStage(module, stage_id, layout.num_stages, device, group=pp_mesh.get_group())
         for stage_id, module in stages
     ]
-    schedule_cls = get_schedule_class(cfg.pp_schedule)
+    schedule_cls = get_schedule_class(layout.pp_schedule)
     if issubclass(schedule_cls, PipelineScheduleSingle):
         [only] = pipeline_stages
-        return schedule_cls(only, n_microbatches=cfg.pp_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return schedule_cls(pipeline_stages, n_microbatches=cfg.pp_microbatches, loss_fn=loss_fn,
+        return schedule_cls(only, n_microbatches=layout.pp_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return schedule_cls(pipeline_stages, n_microbatches=layout.pp_microbatches, loss_fn=loss_fn,
                         scale_grads=False)

@@ -1,8 +1,9 @@
 """Data stage: sources -> raw snapshot -> cleaning and dedup -> mixing -> byte-level BPE
 tokenizer -> packed sequences -> webdataset shards.
 
-Two steps: the snapshot of the raw inputs as read (tasks/raw.py, `data.raw_dir`), then the
-build from that snapshot. `forgeline stage data` runs both; `--snapshot-only` and
+Two steps: the snapshot of the raw inputs as read (snapshot.py, `data.raw_dir`), then the build
+from that snapshot (this module; cleaning in clean.py, the shard format in
+model/training/shards.py). `forgeline stage data` runs both; `--snapshot-only` and
 `--from-snapshot` run one each (dvc.yaml's `sources` and `data` stages).
 
 Output (`data.out_dir`): `tokenizer/` (loads with transformers.PreTrainedTokenizerFast),
@@ -11,7 +12,8 @@ evaluation), `manifest.json` (sha256 per shard, tokenizer and config hashes, cou
 and per source its provenance, what each filter removed and, per split, its documents, tokens
 and `sequences`: the packed samples holding at least one of its tokens -- samples mix sources,
 so these add up to more than the split's samples) and `build.json` (a hash of the config, every
-input document and the build step's code). Every source is checked and everything
+input document and the stage's code, and the sha256 of every file written). Every source is
+checked and everything
 computed before the first byte of either step's output is written; each is written to a
 temporary directory and swapped in whole, so a failed run never leaves a half-written shard
 under its final name. The same inputs, config and code give byte-identical output, and a rerun
@@ -21,13 +23,10 @@ on them rewrites nothing.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import multiprocessing
 import os
-import sys
-import tarfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
@@ -41,15 +40,14 @@ from transformers import PreTrainedTokenizerFast
 
 from forgeline.configs import Config
 from forgeline.configs.schema import CleaningConfig, DataConfig, SourceConfig
-from forgeline.model import data as shard_format
-from forgeline.model.data import FORMAT_VERSION, MANIFEST_NAME, SAMPLE_FIELD, STARTS_FIELD
 from forgeline.model.fileio import sha256_file
-from forgeline.tasks import clean
-from forgeline.tasks import raw as raw_snapshot
+from forgeline.model.training.shards import FORMAT_VERSION, MANIFEST_NAME, write_shard
 from forgeline.tasks.atomic import remove_stale_staging, replace_dir, staging_dir
-from forgeline.tasks.clean import Cleaned, Deduplicator, clean_document
-from forgeline.tasks.raw import check_snapshot, load_snapshot, take_snapshot
-from forgeline.tasks.sources import RawDocument, preflight_sources
+from forgeline.tasks.data.clean import Cleaned, Deduplicator, clean_document
+from forgeline.tasks.data.snapshot import SOURCES_NAME, check_snapshot, load_snapshot, take_snapshot
+from forgeline.tasks.data.sources import RawDocument, preflight_sources
+from forgeline.tasks.stage import stage_named
+from forgeline.tasks.tracking import DATA_VERSION_TAG, DATASET_NAME, RAW_VERSION_TAG, RunTracker, dvc_hash
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +85,42 @@ class Packed:
 
 
 def build_dataset(cfg: Config, from_snapshot: bool = False) -> DataResult:
-    """Run the data stage for `cfg.data`: the snapshot of the raw inputs (tasks/raw.py; with
+    """The data stage for `cfg.data` without tracking: the snapshot of the raw inputs (with
     `from_snapshot`, the one already in data.raw_dir is used), then the build from it. Returns
     what it wrote (or found up to date)."""
-    preflight_data(cfg.data, from_snapshot)
+    if from_snapshot:
+        check_snapshot(cfg)
+    else:
+        preflight_sources(cfg)
+    preflight_tokenizer(cfg)
     if not from_snapshot:
-        take_snapshot(cfg.data)
+        take_snapshot(cfg)
     return build_from_snapshot(cfg)
+
+
+def build_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> DataResult:
+    """The data stage's function (tasks/stage.py): the build; the snapshot is taken before, on
+    every run, cache or not."""
+    return build_from_snapshot(cfg)
+
+
+def record_data(cfg: Config, run: RunTracker, parent: RunTracker | None, result: DataResult) -> None:
+    """Counts, the data version (DVC md5) and the raw snapshot it was built from, the manifest,
+    sources and tokenizer; the pipeline's parent run gets the lineage and counts too."""
+    metrics = {"documents": result.documents, "train_tokens": result.train_tokens,
+               "train_samples": result.train_samples, "val_samples": result.val_samples}
+    lineage = {DATA_VERSION_TAG: dvc_hash(result.out_dir),
+               "forgeline.data.manifest_sha256": result.manifest_sha256}
+    run.log_metrics(metrics)
+    run.set_tags({**lineage, RAW_VERSION_TAG: dvc_hash(cfg.data.raw_dir)})
+    run.log_dataset(DATASET_NAME, result.out_dir, lineage[DATA_VERSION_TAG], "output")
+    run.log_artifact(Path(result.out_dir) / MANIFEST_NAME, "data")
+    run.log_artifact(Path(cfg.data.raw_dir) / SOURCES_NAME, "data")
+    run.log_artifact(Path(result.out_dir) / "tokenizer", "data/tokenizer")
+    if parent:
+        parent.set_tags(lineage)
+        parent.log_dataset(DATASET_NAME, result.out_dir, lineage[DATA_VERSION_TAG], "training")
+        parent.log_metrics({f"data/{k}": v for k, v in metrics.items()})
 
 
 def build_from_snapshot(cfg: Config) -> DataResult:
@@ -152,7 +179,7 @@ def build_from_snapshot(cfg: Config) -> DataResult:
         write_jsonl(tmp / "val_docs.jsonl", val_docs)
         manifest = {
             "format": FORMAT_VERSION,
-            "config_sha256": cfg.section_hash("data"),
+            "config_sha256": cfg.content_hash("data"),
             "seq_len": dcfg.seq_len,
             "vocab_size": len(hf_tokenizer),
             "eos_id": eos_id,
@@ -166,22 +193,19 @@ def build_from_snapshot(cfg: Config) -> DataResult:
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         # Beside the manifest, not in it: a change to this stage's code that leaves the data as
         # it was must not change the manifest, which checkpoints are fingerprinted with.
-        (tmp / BUILD_NAME).write_text(json.dumps({"build_sha256": build_key}) + "\n")
+        (tmp / BUILD_NAME).write_text(json.dumps({"build_sha256": build_key, "files": file_digests(tmp)},
+                                                 indent=2, sort_keys=True) + "\n")
         replace_dir(tmp, out_dir)
     log.info("data: %d documents -> %d train / %d val samples in %s (%.1f s)", len(documents),
              splits["train"]["samples"], splits["val"]["samples"], out_dir, time.perf_counter() - started)
     return data_result(out_dir, manifest, reused=False)
 
 
-def preflight_data(dcfg: DataConfig, from_snapshot: bool = False) -> None:
-    """What can be checked before reading anything: every source (with `from_snapshot`: the
-    snapshot, intact and taken for this config) and the tokenizer to load."""
-    if from_snapshot:
-        check_snapshot(dcfg)
-    else:
-        preflight_sources(dcfg.sources)
-    if dcfg.tokenizer_path:
-        tokenizer_file(dcfg.tokenizer_path)
+def preflight_tokenizer(cfg: Config) -> None:
+    """The tokenizer to load, if one is configured, exists (the sources and the snapshot are
+    checked by the snapshot step's own preflight)."""
+    if cfg.data.tokenizer_path:
+        tokenizer_file(cfg.data.tokenizer_path)
 
 
 def data_result(out_dir: Path, manifest: dict, reused: bool) -> DataResult:
@@ -193,31 +217,33 @@ def data_result(out_dir: Path, manifest: dict, reused: bool) -> DataResult:
 
 
 def build_fingerprint(cfg: Config, raw: list[RawDocument]) -> str:
-    """sha256 of everything the output depends on: the data config, every input document and
-    the code of the build step (how the documents were read is in the documents)."""
-    digest = hashlib.sha256(f"{FORMAT_VERSION}\n{cfg.section_hash('data')}\n".encode())
-    for module in (sys.modules[__name__], clean, raw_snapshot, shard_format):
-        digest.update(Path(module.__file__).read_bytes())
+    """sha256 of everything the output depends on: what the data config computes, every input
+    document and the stage's code (how the documents were read is in the documents)."""
+    digest = hashlib.sha256(f"{FORMAT_VERSION}\n{cfg.content_hash('data')}\n".encode())
+    digest.update(stage_named("data").code_hash().encode())
     for doc in raw:
         digest.update(f"{doc.source}\0{doc.name}\0{doc.size}\0".encode())
         digest.update(hashlib.sha256(doc.data or b"").digest())
     return digest.hexdigest()
 
 
+def file_digests(out_dir: Path) -> dict[str, str]:
+    """sha256 of every file of an output but its build.json, by relative path."""
+    return {str(path.relative_to(out_dir)): sha256_file(path) for path in sorted(out_dir.rglob("*"))
+            if path.is_file() and path.name != BUILD_NAME}
+
+
 def up_to_date_manifest(out_dir: Path, build_key: str) -> dict | None:
-    """The existing output's manifest if it was built from exactly these inputs and every file it
-    lists is intact."""
-    path, build = out_dir / MANIFEST_NAME, out_dir / BUILD_NAME
-    if not (path.is_file() and build.is_file()):
+    """The existing output's manifest if it was built from exactly these inputs and holds exactly
+    the files it was written with, intact."""
+    try:
+        build = json.loads((out_dir / BUILD_NAME).read_text())
+        manifest = json.loads((out_dir / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
         return None
-    if json.loads(build.read_text())["build_sha256"] != build_key:
+    if build.get("build_sha256") != build_key or build.get("files") != file_digests(out_dir):
         return None
-    manifest = json.loads(path.read_text())
-    files = [(out_dir / "tokenizer" / "tokenizer.json", manifest["tokenizer"]["sha256"])]
-    files += [(out_dir / shard["path"], shard["sha256"])
-              for split in manifest["splits"].values() for shard in split["shards"]]
-    intact = all(file.is_file() and sha256_file(file) == sha for file, sha in files)
-    return manifest if intact else None
+    return manifest
 
 
 def source_entry(source: SourceConfig) -> dict:
@@ -441,12 +467,6 @@ def source_sequences(sources: list[str], lengths: np.ndarray, seq_len: int,
     return counts
 
 
-def npy_bytes(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    return buffer.getvalue()
-
-
 def write_shards(packed: Packed, directory: Path, split: str, per_shard: int, num_workers: int) -> list[dict]:
     """Write the shards of a split, in parallel; returns their manifest entries in order."""
     bounds = [(start, min(start + per_shard, len(packed.samples)))
@@ -457,24 +477,12 @@ def write_shards(packed: Packed, directory: Path, split: str, per_shard: int, nu
 
 
 def _write_shard_range(numbers: tuple[int, int]) -> list[dict]:
-    return [write_shard(_WORK["packed"], _WORK["directory"], _WORK["split"], number, *_WORK["bounds"][number])
-            for number in range(*numbers)]
-
-
-def write_shard(packed: Packed, directory: Path, split: str, number: int, start: int, stop: int) -> dict:
-    """One deterministic tar (fixed mtime, owner and mode): same samples, same bytes. Plain
-    ustar headers: pax headers cost more to build than the samples do, and webdataset reads
-    either."""
-    name = f"{split}-{number:06d}.tar"
-    with tarfile.open(directory / name, "w", format=tarfile.USTAR_FORMAT) as tar:
-        for index in range(start, stop):
-            key = f"{split}-{index:09d}"
-            for field, array in ((SAMPLE_FIELD, packed.samples[index]), (STARTS_FIELD, packed.starts[index])):
-                payload = npy_bytes(array)
-                info = tarfile.TarInfo(f"{key}.{field}")
-                info.size, info.mode, info.uname, info.gname = len(payload), 0o444, "forgeline", "forgeline"
-                tar.addfile(info, io.BytesIO(payload))
-    return {"path": name, "samples": stop - start, "sha256": sha256_file(directory / name)}
+    packed, entries = _WORK["packed"], []
+    for number in range(*numbers):
+        start, stop = _WORK["bounds"][number]
+        entries.append(write_shard(_WORK["directory"], _WORK["split"], number, packed.samples[start:stop],
+                                   packed.starts[start:stop], start))
+    return entries
 
 
 def write_jsonl(path: Path, docs: list[Document]) -> None:

@@ -1,0 +1,115 @@
+"""dvc.yaml and the README's stage table, rendered from the stage records (tasks/stage.py).
+
+`forgeline stages --write` writes them; tests/unit/test_stage_records.py fails when the files
+in the checkout differ from what the records render."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from forgeline.tasks.stage import STAGES, Output, Snapshot, Stage, stage_named
+
+PARAMS_FILE = "configs/tiny.yaml"  # the config `dvc repro` runs, and its params file
+DVC_HEADER = f"""\
+# Generated from the stage records (tasks/stage.py) by `forgeline stages --write`; edit those.
+# The stages for `dvc repro`: each runs `forgeline stage NAME` on {PARAMS_FILE}, and its deps,
+# outs and params come from that config (DVC templating through `vars`), so the Prefect pipeline
+# and DVC agree on where every artifact lives -- and forgeline's stage cache decides as `dvc
+# repro` does (README: Stage caching). The data stage is two here: `sources` snapshots the raw
+# inputs into data.raw_dir (`--snapshot-only`), `data` builds from that snapshot
+# (`--from-snapshot`). `sources` always runs: the packaged corpora and datasets it reads live
+# outside the repository, so only reading them tells whether they changed (`dvc status`
+# therefore always lists it). Unchanged inputs give a byte-identical snapshot, which it leaves
+# untouched (`persist`: DVC does not delete it first), so data and what follows rerun only when
+# the raw inputs changed. Change only the eval section and `dvc repro` reruns eval (and register,
+# if the scores changed), never data or train. The outputs of data and train persist too: rerun,
+# the data stage rewrites nothing for unchanged inputs and training resumes from its checkpoints,
+# as under `forgeline run`.
+# `dvc push` / `dvc pull` move the raw snapshot, the data and train outputs (and eval's) to the
+# default remote (.dvc/config: dvc-storage/ here; `dvc remote add -d s3 s3://bucket/prefix` for
+# S3); `dvc exp run -S {PARAMS_FILE}:train.lr=3e-3` runs an experiment; `dvc metrics diff` and
+# `dvc plots show|diff` compare the eval scores and the training loss curve across revisions.
+"""
+# Top-level plots may name files inside an output: the loss curve the train stage writes.
+LOSS_CURVE = {"${train.out_dir}/loss.csv": {"x": "step", "y": "loss", "title": "training loss"}}
+
+
+def template(field: str, path: str = "") -> str:
+    """A config field as dvc.yaml's templating names it, e.g. ${data.out_dir}/metrics.json."""
+    return f"${{{field}}}/{path}" if path else f"${{{field}}}"
+
+
+def dvc_stages() -> dict[str, dict[str, Any]]:
+    """dvc.yaml's `stages`, in pipeline order."""
+    stages: dict[str, dict[str, Any]] = {}
+    for stage in STAGES:
+        if stage.snapshot is not None:
+            stages[stage.snapshot.name] = snapshot_entry(stage, stage.snapshot)
+        stages[stage.name] = stage_entry(stage)
+    return stages
+
+
+def snapshot_entry(stage: Stage, snapshot: Snapshot) -> dict[str, Any]:
+    return {"cmd": f"forgeline stage {stage.name} --config {PARAMS_FILE} --snapshot-only",
+            "always_changed": True,
+            "deps": list(snapshot.code),
+            "params": [{PARAMS_FILE: list(snapshot.params)}],
+            "outs": [{template(snapshot.output): {"persist": True}}]}
+
+
+def stage_entry(stage: Stage) -> dict[str, Any]:
+    flag = " --from-snapshot" if stage.snapshot else ""
+    deps = [template(stage_named(read.stage).output, read.path) for read in stage.reads]
+    if stage.snapshot is not None:
+        deps.append(template(stage.snapshot.output))
+    entry: dict[str, Any] = {"cmd": f"forgeline stage {stage.name} --config {PARAMS_FILE}{flag}",
+                             "deps": deps + list(stage.code),
+                             "params": [{PARAMS_FILE: list(stage.sections)}]}
+    for kind, key in (("out", "outs"), ("metric", "metrics"), ("plot", "plots")):
+        listed = [output_entry(stage, output) for output in stage.outputs if output.kind == kind]
+        if listed:
+            entry[key] = listed
+    return entry
+
+
+def output_entry(stage: Stage, output: Output) -> str | dict[str, Any]:
+    path = template(stage.output, output.path)
+    options = {"cache": False} if not output.cache else {}
+    if output.persist:
+        options["persist"] = True
+    return {path: options} if options else path
+
+
+def render_dvc_yaml() -> str:
+    body = {"vars": [PARAMS_FILE], "stages": dvc_stages(), "plots": [LOSS_CURVE]}
+    return DVC_HEADER + yaml.safe_dump(body, sort_keys=False, width=100)
+
+
+TABLE_BEGIN = "<!-- stage table: `forgeline stages --write` renders it from tasks/stage.py -->"
+TABLE_END = "<!-- end of stage table -->"
+
+
+def replace_stage_table(readme: str, table: str) -> str:
+    """`readme` with the text between its stage table markers replaced by `table`."""
+    before, begin, rest = readme.partition(TABLE_BEGIN)
+    _, end, after = rest.partition(TABLE_END)
+    if not (begin and end):
+        raise ValueError(f"README.md lacks the stage table markers {TABLE_BEGIN!r} ... {TABLE_END!r}")
+    return f"{before}{TABLE_BEGIN}\n{table}{TABLE_END}{after}"
+
+
+def render_stage_table() -> str:
+    """The README's table of stages: what each reads, computes from, runs and writes."""
+    rows = ["| stage | what it does | reads | config sections | code | writes |", "|---|---|---|---|---|---|"]
+    for stage in STAGES:
+        reads = [f"`{stage_named(r.stage).output}`" + (f"/{r.path}" if r.path else "") for r in stage.reads]
+        if stage.snapshot is not None:
+            reads.append(f"`{stage.snapshot.output}` (its snapshot of the sources, taken first)")
+        files = [output.path for output in stage.outputs if output.path]
+        writes = f"`{stage.output}`" + (f": {', '.join(f'`{f}`' for f in files)}" if files else "")
+        rows.append(f"| {stage.name} | {stage.summary} | {', '.join(reads) or 'its sources'} | "
+                    f"{', '.join(f'`{s}`' for s in stage.sections)} | "
+                    f"{', '.join(f'`{c}`' for c in stage.code)} | {writes} |")
+    return "\n".join(rows) + "\n"

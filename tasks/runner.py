@@ -1,0 +1,90 @@
+"""A stage as a tracked run: its plain function (named by its record, tasks/stage.py) inside an
+MLflow run -- nested under the pipeline's parent run when there is one -- skipped when the stage
+cache allows, with what the stage records. Plain Python: the Prefect tasks of flows/ only wrap
+`run_stage`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mlflow import MlflowClient
+
+from forgeline.configs import Config
+from forgeline.tasks.cache import out_dir_tag, outputs_tag, run_cached
+from forgeline.tasks.stage import Stage, resolve, stage_named
+from forgeline.tasks.tracking import RunTracker, dvc_hash, resolve_tracking_uri, tracked_run
+
+UPSTREAM_RUN_TAG = "forgeline.upstream_run"
+
+
+class MissingInputError(FileNotFoundError):
+    """A stage was asked to run before the stages it reads from."""
+
+
+def preflight(cfg: Config, stages: tuple[Stage, ...], from_snapshot: bool = False) -> None:
+    """What can be checked before any work when `stages` run in order: the first one's upstream
+    outputs exist, and each stage's own checks pass (its sources, or with `from_snapshot` its
+    snapshot; a tokenizer to load; the precision; the eval tasks)."""
+    check_stage_inputs(stages[0], cfg)
+    for stage in stages:
+        preflight_stage(stage, cfg, from_snapshot)
+
+
+def preflight_stage(stage: Stage, cfg: Config, from_snapshot: bool = False) -> None:
+    if from_snapshot and stage.snapshot is None:
+        raise ValueError(f"stage {stage.name} has no snapshot step to build from")
+    if stage.snapshot is not None:
+        resolve(stage.snapshot.check if from_snapshot else stage.snapshot.preflight)(cfg)
+    if stage.preflight is not None:
+        resolve(stage.preflight)(cfg)
+
+
+def check_stage_inputs(stage: Stage, cfg: Config) -> None:
+    """Fail before any work if an upstream stage's output is missing."""
+    missing = [stage_named(up) for up in stage.upstream if not stage_named(up).done_marker(cfg).is_file()]
+    if missing:
+        paths = ", ".join(str(up.done_marker(cfg)) for up in missing)
+        raise MissingInputError(
+            f"stage {stage.name!r} reads the output of {', '.join(up.name for up in missing)}, which is "
+            f"missing ({paths}); run `forgeline stage {missing[0].name}` first, or the whole pipeline "
+            "with `forgeline run`"
+        )
+
+
+def upstream_outputs(cfg: Config, stage: Stage, run_id: str) -> dict[str, str]:
+    """The output directories of the upstream stages that the earlier run `run_id` (a pipeline
+    or stage run) recorded, by config field, after checking they are still what it wrote."""
+    tags = MlflowClient(resolve_tracking_uri(cfg)).get_run(run_id).data.tags
+    fields = {}
+    for up in map(stage_named, stage.upstream):
+        if out_dir_tag(up.name) not in tags:
+            raise MissingInputError(f"run {run_id} recorded no {up.name} stage output; pick a run whose "
+                                    f"{up.name} stage finished (`forgeline compare` shows its tags)")
+        out_dir = tags[out_dir_tag(up.name)]
+        recorded = tags[outputs_tag(up.name)]
+        if not Path(out_dir).is_dir() or dvc_hash(out_dir) != recorded:
+            raise MissingInputError(f"the {up.name} output of run {run_id} at {out_dir} is gone or has "
+                                    f"changed since (md5 {recorded}); rerun `forgeline stage {up.name}`")
+        fields[up.output] = out_dir
+    return fields
+
+
+def run_stage(stage: Stage, cfg: Config, parent_run_id: str | None = None, force: bool = False,
+              run_key: str | None = None, from_snapshot: bool = False) -> Any:
+    """Run `stage` as an MLflow run: its checks, the snapshot it builds from (taken on every run,
+    like dvc.yaml's always-changed snapshot stage; with `from_snapshot` the one there is used),
+    then its function unless the stage cache allows a skip, then what it records. `run_key`
+    (e.g. the Prefect task run id) makes a retry resume into the same MLflow run."""
+    preflight_stage(stage, cfg, from_snapshot)
+    client = MlflowClient(resolve_tracking_uri(cfg))
+    parent = None if parent_run_id is None else RunTracker(client, parent_run_id)
+    function = resolve(stage.function)
+    with tracked_run(cfg, stage.name, parent_run_id, run_key=run_key) as run:
+        run.log_params({k: v for k, v in cfg.flat().items() if k.split(".")[0] in stage.sections})
+        if stage.snapshot is not None and not from_snapshot:
+            resolve(stage.snapshot.take)(cfg)
+        result = run_cached(stage, cfg, run, parent, resolve(stage.result_type),
+                            lambda: function(cfg, run, parent), force)
+        resolve(stage.record)(cfg, run, parent, result)
+    return result

@@ -1,0 +1,234 @@
+"""The pipeline's stages, each defined once, here, by a `Stage` record.
+
+A record says what a stage reads (config sections, code, upstream outputs, a snapshot of inputs
+from outside the repository), where it writes, what it computes and how it is tracked. Every
+other view of a stage derives from it:
+
+- the stage cache's key and the outputs it verifies (tasks/cache.py);
+- the tracked run of a stage -- preflight checks, the MLflow params of its sections, the plain
+  function, what it records in MLflow -- and `--upstream-run` resolution (tasks/runner.py);
+- the Prefect tasks and flows, one flow per stage, with their retries (flows/stage_flows.py);
+- the CLI's stage choices and its snapshot flags (flows/cli.py);
+- dvc.yaml and the README's stage table (tasks/dvc_yaml.py), the stage deployments of
+  prefect.yaml (flows/deploy.py): `forgeline stages --write` regenerates the files, and
+  tests/unit/test_stage_records.py fails on any difference.
+
+This module is light (no torch, MLflow, lm-eval): the CLI reads it to parse its arguments.
+Functions are named by reference, `module:attribute`, and imported only when a stage runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from forgeline.configs import Config
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the checkout of an editable install
+
+
+def resolve(reference: str) -> Any:
+    """The object a `package.module:attribute[.attribute]` reference names."""
+    module, _, attributes = reference.partition(":")
+    found: Any = importlib.import_module(module)
+    for name in attributes.split("."):
+        found = getattr(found, name)
+    return found
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """An upstream stage's output that a stage reads: all of it, or one path inside it."""
+
+    stage: str
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class Output:
+    """One output of a stage, a path inside its output directory ("": all of it), as DVC lists
+    it: among the stage's outs, metrics or plots, kept in DVC's cache or (cache=False) in git.
+    The stage cache verifies them all."""
+
+    path: str = ""
+    kind: Literal["out", "metric", "plot"] = "out"
+    cache: bool = True
+    persist: bool = False
+    """Kept when the stage runs again (DVC deletes other outputs first): the stage itself decides
+    what of it to reuse."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A step before a stage that copies its inputs from outside the repository (packaged corpora,
+    datasets, local files) into a directory of the stage's, every time it runs: only reading them
+    tells whether they changed. Unchanged inputs leave the directory untouched, so the stage
+    after it reruns only when they changed. `forgeline stage NAME --snapshot-only` runs only this
+    step, `--from-snapshot` only the stage."""
+
+    name: str
+    """Its DVC stage."""
+    output: str
+    """Config field of the directory it writes."""
+    params: tuple[str, ...]
+    """Dotted config keys it reads (its DVC params)."""
+    code: tuple[str, ...]
+    """Source files it runs (its DVC deps), relative to the checkout."""
+    preflight: str
+    """(cfg) -> None: fails before any work if an input cannot be read."""
+    take: str
+    """(cfg) -> summary: takes the snapshot."""
+    check: str
+    """(cfg) -> None: fails unless the snapshot there is intact and was taken for this config."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    summary: str
+    """One line: the README's stage table, the flow's and the deployment's description."""
+    sections: tuple[str, ...]
+    """Config sections it computes from: its DVC params and the config part of its cache key."""
+    code: tuple[str, ...]
+    """Source files and folders it runs, relative to the checkout: its DVC deps and the code part
+    of its cache key."""
+    reads: tuple[Upstream, ...]
+    """Upstream outputs it reads: DVC deps, the upstream part of its cache key, what
+    `--upstream-run` takes from an earlier run, and what must exist before it starts."""
+    output: str
+    """Config field of its output directory."""
+    outputs: tuple[Output, ...]
+    """What it writes there, as DVC tracks it and its cache verifies."""
+    done: str
+    """The file it writes last, inside its output directory: its presence means a complete output."""
+    result_type: str
+    """The dataclass `function` returns; its fields are what the cache replays."""
+    function: str
+    """(cfg, run, parent) -> result: the plain stage function, run on a cache miss."""
+    record: str
+    """(cfg, run, parent, result) -> None: its metrics, tags and artifacts in MLflow, on every run."""
+    preflight: str | None = None
+    """(cfg) -> None: checks that need no upstream output, before any work."""
+    retries: str | None = None
+    """Config field with the Prefect retries of the whole stage; each retry resumes into the same
+    MLflow run. None: no retries."""
+    gives_up_on: str | None = None
+    """An exception after which a retry would fail the same way: none is made."""
+    snapshot: Snapshot | None = None
+    external: str | None = None
+    """(cfg) -> dict: inputs outside the files DVC sees, part of the cache key."""
+    still_valid: str | None = None
+    """(cfg, result fields) -> reason | None: why a cached result no longer holds although its
+    files verify."""
+    report: str | None = None
+    """(result) -> Markdown: a Prefect artifact of each run."""
+
+    def out_dir(self, cfg: Config) -> Path:
+        return Path(cfg.value(self.output))
+
+    def code_hash(self) -> str:
+        """sha256 over its source files (relative path and bytes, in sorted order)."""
+        digest = hashlib.sha256()
+        for entry in self.code:
+            root = PACKAGE_ROOT / entry
+            files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()
+                                                          and "__pycache__" not in p.parts)
+            for path in files:
+                digest.update(str(path.relative_to(PACKAGE_ROOT)).encode() + b"\0" + path.read_bytes())
+        return digest.hexdigest()
+
+    def done_marker(self, cfg: Config) -> Path:
+        return self.out_dir(cfg) / self.done
+
+    @property
+    def upstream(self) -> tuple[str, ...]:
+        """The stages it reads from, in pipeline order."""
+        return tuple(dict.fromkeys(read.stage for read in self.reads))
+
+
+STAGES = (
+    Stage(
+        name="data",
+        summary="sources -> raw snapshot -> cleaning and dedup -> tokenizer -> packed, checksummed shards",
+        sections=("data",),
+        code=("tasks/data", "model/training/shards.py"),
+        reads=(),
+        output="data.out_dir",
+        outputs=(Output(persist=True),),  # a rebuild of the same inputs rewrites nothing
+        done="manifest.json",
+        result_type="forgeline.tasks.data.build:DataResult",
+        function="forgeline.tasks.data.build:build_stage",
+        record="forgeline.tasks.data.build:record_data",
+        preflight="forgeline.tasks.data.build:preflight_tokenizer",
+        snapshot=Snapshot(
+            name="sources",
+            output="data.raw_dir",
+            params=("data.sources",),
+            code=("tasks/data/sources.py", "tasks/data/snapshot.py"),
+            preflight="forgeline.tasks.data.sources:preflight_sources",
+            take="forgeline.tasks.data.snapshot:take_snapshot",
+            check="forgeline.tasks.data.snapshot:check_snapshot",
+        ),
+    ),
+    Stage(
+        name="train",
+        summary="torchrun on the named DeviceMesh (PP x FSDP2/HSDP x TP) to a committed DCP checkpoint",
+        sections=("model", "parallel", "train", "checkpoint"),
+        code=("model", "tasks/train/job.py", "tasks/train/launch.py", "tasks/train/curves.py"),
+        reads=(Upstream("data"),),
+        output="train.out_dir",
+        outputs=(Output(persist=True),),  # a rerun resumes from its checkpoints
+        done="train.json",
+        result_type="forgeline.tasks.train.job:TrainResult",
+        function="forgeline.tasks.train.job:train_stage",
+        record="forgeline.tasks.train.job:record_training",
+        preflight="forgeline.tasks.train.job:preflight_precision",
+        retries="train.job_retries",
+        gives_up_on="forgeline.model.training.callbacks:TrainingUnstable",
+    ),
+    Stage(
+        name="eval",
+        summary="lm-eval with the `forgeline` model class on the offline suite, scored per capability "
+                "dimension",
+        sections=("eval",),
+        code=("eval", "tasks/evaluate.py"),
+        reads=(Upstream("data"), Upstream("train")),
+        output="eval.out_dir",
+        outputs=(Output("lm_eval_results.json"), Output("report.json"), Output("tasks"),
+                 Output("metrics.json", "metric", cache=False),
+                 Output("dimensions.png", "plot", cache=False)),
+        done="metrics.json",
+        result_type="forgeline.tasks.evaluate:EvalResult",
+        function="forgeline.tasks.evaluate:eval_stage",
+        record="forgeline.tasks.evaluate:record_eval",
+        preflight="forgeline.tasks.evaluate:preflight_eval",
+        report="forgeline.tasks.evaluate:EvalResult.markdown",
+    ),
+    Stage(
+        name="register",
+        summary="a pyfunc MLflow model version over the Hugging Face export, aliased `candidate`; "
+                "the promotion gate moves `champion`",
+        sections=("registry",),
+        code=("tasks/register.py", "tasks/promote.py", "model/hf.py"),
+        reads=(Upstream("data", "tokenizer"), Upstream("train"), Upstream("eval", "metrics.json")),
+        output="registry.out_dir",
+        outputs=(Output("registered.json", cache=False),),
+        done="registered.json",
+        result_type="forgeline.tasks.register:RegisterResult",
+        function="forgeline.tasks.register:register_stage",
+        record="forgeline.tasks.register:record_registration",
+        external="forgeline.tasks.register:registry_input",
+        still_valid="forgeline.tasks.register:version_still_registered",
+    ),
+)
+STAGE_NAMES = tuple(stage.name for stage in STAGES)
+
+
+def stage_named(name: str) -> Stage:
+    for stage in STAGES:
+        if stage.name == name:
+            return stage
+    raise KeyError(f"no stage {name!r}; stages: {', '.join(STAGE_NAMES)}")

@@ -1,0 +1,42 @@
+"""The training loss curve as files beside the checkpoints: `loss.csv` for `dvc plots` and
+`loss.png` for MLflow, both built from the per-step `loss` the ranks logged to the train run."""
+
+from __future__ import annotations
+
+import csv
+
+from matplotlib.figure import Figure
+from mlflow import MlflowClient
+
+from forgeline.model.training.outputs import TrainOutputs
+from forgeline.tasks.atomic import write_text_atomic
+
+
+def write_loss_curve(client: MlflowClient, run_id: str, outputs: TrainOutputs) -> None:
+    """The curve of the steps this run logged, after the steps of the curve already there that
+    came before them: a run that resumed from a checkpoint logs only the steps after it (none
+    when it resumed at the last step), and keeps the curve of the run that trained up to it."""
+    # A restarted run logs the steps after its checkpoint again: the latest value of a step wins.
+    # Values as the csv keeps them (6 digits), in the plot too: a curve drawn again from the csv
+    # is the same picture, to the byte.
+    history = sorted(client.get_metric_history(run_id, "loss"), key=lambda m: m.timestamp)
+    logged = {m.step: float(f"{m.value:.6g}") for m in history}
+    resumed_at = min(logged, default=float("inf"))
+    curve = {step: loss for step, loss in earlier_curve(outputs).items() if step < resumed_at} | logged
+    rows = sorted(curve.items())
+    write_text_atomic(outputs.loss_csv, "step,loss\n" + "".join(f"{s},{v:.6g}\n" for s, v in rows))
+    figure = Figure(figsize=(7, 4))  # no pyplot: no display, no global state
+    axes = figure.subplots()
+    axes.plot([s for s, _ in rows], [v for _, v in rows], color="#4C72B0")
+    axes.set_xlabel("step")
+    axes.set_ylabel("training loss")
+    axes.set_title("training loss")
+    figure.tight_layout()
+    figure.savefig(outputs.loss_plot, dpi=100)
+
+
+def earlier_curve(outputs: TrainOutputs) -> dict[int, float]:
+    if not outputs.loss_csv.is_file():
+        return {}
+    with outputs.loss_csv.open() as f:
+        return {int(row["step"]): float(row["loss"]) for row in csv.DictReader(f)}
