@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from forgeline.model.data import MANIFEST_NAME, read_manifest, read_shard, split_shards
 from forgeline.model.fileio import sha256_file
-from forgeline.tasks.data import build_dataset, source_sequences
-from forgeline.tasks.sources import read_shakespeare
+from forgeline.model.training.shards import MANIFEST_NAME, read_manifest, read_shard, split_shards
+from forgeline.tasks.data.build import build_dataset, source_sequences
+from forgeline.tasks.data.sources import read_shakespeare
 from tests.conftest import REPO_ROOT, debug_config
 
 
@@ -118,6 +118,17 @@ def test_same_inputs_give_byte_identical_output(tmp_path: Path, corpus: Path) ->
     assert first.manifest_sha256 == second.manifest_sha256
 
 
+def test_a_file_edited_by_hand_is_written_again(tmp_path: Path, corpus: Path) -> None:
+    build_dataset(files_config(tmp_path, corpus))
+    data_dir = tmp_path / "data"
+    before = {p.name: sha256_file(p) for p in data_dir.rglob("*") if p.is_file()}
+    assert build_dataset(files_config(tmp_path, corpus)).reused
+    with open(data_dir / "val_docs.jsonl", "a") as f:
+        f.write('{"text": "added by hand"}\n')
+    assert not build_dataset(files_config(tmp_path, corpus)).reused
+    assert {p.name: sha256_file(p) for p in data_dir.rglob("*") if p.is_file()} == before
+
+
 def test_rerun_replaces_output_whole(tmp_path: Path, corpus: Path) -> None:
     build_dataset(files_config(tmp_path, corpus))
     build_dataset(files_config(tmp_path, corpus, "data.samples_per_shard=50"))
@@ -167,7 +178,7 @@ def test_killed_while_writing_shards_leaves_the_previous_output_intact(tmp_path:
     data_dir = tmp_path / "data"
     before = {p.name: sha256_file(p) for p in data_dir.rglob("*") if p.is_file()}
     # One sample per shard: a write long enough to be caught in.
-    script = ("import forgeline.tasks; from forgeline.tasks.data import build_dataset; "
+    script = ("from forgeline.tasks.data.build import build_dataset; "
               "from tests.unit.test_data import files_config; from pathlib import Path; "
               f"build_dataset(files_config(Path({str(tmp_path)!r}), Path({str(corpus)!r}), "
               "'data.samples_per_shard=1'))")

@@ -1,0 +1,84 @@
+"""A stage is one record (tasks/stage.py): everything else derives from it. The files made from the
+records are the ones committed, every reference in a record resolves, and each view of a stage
+(cache key, Prefect flows, CLI choices, deployments) follows its record."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+import yaml
+
+from forgeline.configs import load_config
+from forgeline.flows.cli import build_parser, main
+from forgeline.tasks.stage import PACKAGE_ROOT, STAGE_NAMES, STAGES, Stage, resolve, stage_named
+from tests.conftest import REPO_ROOT, debug_config
+
+
+def test_dvc_yaml_prefect_yaml_and_the_readme_table_are_what_the_records_render(
+        capsys: pytest.CaptureFixture) -> None:
+    assert main(["stages", "--check", "--root", str(REPO_ROOT)]) == 0, capsys.readouterr().out
+
+
+def test_check_names_a_file_that_differs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    for name in ("dvc.yaml", "prefect.yaml", "README.md"):
+        (tmp_path / name).write_text((REPO_ROOT / name).read_text())
+    dvc = yaml.safe_load((tmp_path / "dvc.yaml").read_text())
+    dvc["stages"]["eval"]["deps"].remove("eval")  # a dependency lost by hand
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump(dvc))
+    assert main(["stages", "--check", "--root", str(tmp_path)]) == 1
+    assert f"{tmp_path / 'dvc.yaml'} differs from the stage records" in capsys.readouterr().out
+    assert main(["stages", "--write", "--root", str(tmp_path)]) == 0
+    assert (tmp_path / "dvc.yaml").read_text() == (REPO_ROOT / "dvc.yaml").read_text()
+
+
+@pytest.mark.parametrize("stage", STAGES, ids=lambda s: s.name)
+def test_every_reference_of_a_record_resolves(stage: Stage) -> None:
+    cfg = load_config("debug.yaml")
+    assert dataclasses.is_dataclass(resolve(stage.result_type))
+    for reference in (stage.function, stage.record, stage.preflight, stage.external, stage.still_valid,
+                      stage.report, stage.gives_up_on):
+        assert reference is None or callable(resolve(reference)), reference
+    assert list(inspect.signature(resolve(stage.function)).parameters) == ["cfg", "run", "parent"]
+    for path in stage.code + (stage.snapshot.code if stage.snapshot else ()):
+        assert (PACKAGE_ROOT / path).exists(), path
+    assert all(section in type(cfg).model_fields for section in stage.sections)
+    assert isinstance(cfg.value(stage.output), str)
+    assert stage.retries is None or isinstance(cfg.value(stage.retries), int)
+    assert all(up in STAGE_NAMES[:STAGE_NAMES.index(stage.name)] for up in stage.upstream)
+
+
+def test_flows_cli_and_deployments_follow_the_records() -> None:
+    from forgeline.flows import stage_flows
+
+    deployments = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["deployments"]
+    entrypoints = {d["entrypoint"] for d in deployments if d["name"] == "manual"}
+    assert entrypoints == {f"forgeline.flows.stage_flows:{name}_flow" for name in STAGE_NAMES}
+    for name in STAGE_NAMES:
+        assert getattr(stage_flows, f"{name}_flow").name == f"forgeline-{name}"
+        assert stage_flows.STAGE_TASKS[name].name == name
+    stage_verb = build_parser()._subparsers._group_actions[0].choices["stage"]
+    [name_argument] = [a for a in stage_verb._actions if a.dest == "name"]
+    assert tuple(name_argument.choices) == STAGE_NAMES
+
+
+def test_the_cache_key_is_the_records_inputs(tmp_path: Path) -> None:
+    from forgeline.tasks.cache import stage_inputs
+
+    cfg = debug_config(tmp_path)
+    for name in ("data", "train", "eval"):  # what each reads must exist to be hashed
+        stage_named(name).done_marker(cfg).parent.mkdir(parents=True)
+    (Path(cfg.data.raw_dir)).mkdir()
+    (Path(cfg.data.out_dir) / "tokenizer").mkdir()
+    (Path(cfg.eval.out_dir) / "metrics.json").write_text("{}")
+    register = stage_inputs(stage_named("register"), cfg)
+    assert set(register["upstream"]) == {f"{cfg.data.out_dir}/tokenizer", cfg.train.out_dir,
+                                         f"{cfg.eval.out_dir}/metrics.json"}
+    assert register["external"]["tracking_uri"].startswith("sqlite:///")
+    assert set(stage_inputs(stage_named("data"), cfg)) == {"config", "code", "upstream", "sources"}
+    # Every key of a stage's sections is a param, as in dvc.yaml, where outputs go included.
+    moved = debug_config(tmp_path, f"eval.out_dir={tmp_path / 'elsewhere'}")
+    assert moved.section_hash("eval") != cfg.section_hash("eval")
+    assert moved.content_hash("eval") == cfg.content_hash("eval")

@@ -1,0 +1,22 @@
+"""The config the train stage hands its ranks: what they read, and nothing of the stages after it,
+so that rerunning train leaves its output as it was when only those changed."""
+
+from __future__ import annotations
+
+import yaml
+
+from forgeline.configs import Config, load_config
+from forgeline.tasks.train.job import rank_config_yaml
+
+
+def test_the_ranks_config_holds_what_training_reads_and_nothing_else() -> None:
+    cfg = load_config("debug.yaml")
+    ranks = Config.model_validate(yaml.safe_load(rank_config_yaml(cfg)))
+    for section in ("data", "model", "parallel", "train", "checkpoint"):
+        assert getattr(ranks, section) == getattr(cfg, section), section
+    assert ranks.eval.during_training == cfg.eval.during_training
+    later = load_config("debug.yaml", ["eval.dimensions.math.limit=1", "registry.promotion_margin=0.5",
+                                       "registry.model_name=other", "ops.notify_block=x/y"])
+    assert rank_config_yaml(later) == rank_config_yaml(cfg)
+    in_training = load_config("debug.yaml", ["eval.during_training.every_steps=10"])
+    assert rank_config_yaml(in_training) != rank_config_yaml(cfg)
