@@ -1,11 +1,16 @@
 """`dvc repro` of dvc.yaml in a fresh copy of this repository, on the debug sizes: every stage
 runs once, `dvc status` is then clean (but for `sources`, which always reads its inputs again),
 the outputs go to the default (local) remote and to an S3 remote (a real moto server on
-127.0.0.1) and come back, `dvc plots` shows the loss curve, a change that touches only eval
-reruns eval (and register only when the scores moved), and `dvc exp run -S` of a config value
-is an experiment `dvc metrics diff` compares. The data stage on its own: the raw snapshot is
-rewritten, and the data rebuilt, only when a raw input changed, and the shards a forced rerun
-writes are byte-identical."""
+127.0.0.1) and come back, `dvc plots` shows the loss curve, and `dvc exp run -S` of a config
+value is an experiment `dvc metrics diff` compares. forgeline's stage cache decides as `dvc repro`
+does: the same change -- to each stage's config section, to its code, to an upstream output, an
+eval rerun whose scores do not move -- reruns the same stages in both. The data stage on its own:
+the raw snapshot is rewritten, and the data rebuilt, only when a raw input changed, and the shards
+a forced rerun writes are byte-identical.
+
+The `forgeline` that DVC runs is the copy's own code (`PYTHONPATH` to a `forgeline` package made
+of the copy's folders), so a change to a source file there is one that DVC hashes and forgeline
+runs and hashes alike."""
 
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from forgeline.tasks.cache import CACHE_TAG
+from forgeline.tasks.stage import STAGE_NAMES
 from forgeline.tasks.tracking import dvc_hash
 from tests.conftest import REPO_ROOT
 from tests.integration.conftest import make_bucket
@@ -29,20 +36,39 @@ pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 DVC = str(VENV_BIN / "dvc")
 
 
-def fresh_repo(dest: Path) -> Path:
-    """The repository's files (committed or not, minus ignored ones) in a new git repo, with
-    configs/tiny.yaml -- which dvc.yaml runs -- shrunk to the debug sizes."""
+LAYERS = ("configs", "model", "eval", "tasks", "flows")
+
+
+def fresh_repo(root: Path) -> Path:
+    """The repository's files (committed or not, minus ignored ones) in a new git repo,
+    `root`/repo, with configs/tiny.yaml -- which dvc.yaml runs -- shrunk to the debug sizes."""
+    repo = root / "repo"
     listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
                             cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.split()
     for name in listed:
         if (REPO_ROOT / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO_ROOT / name, dest / name)
-    debug = yaml.safe_load((dest / "configs" / "debug.yaml").read_text())
-    (dest / "configs" / "tiny.yaml").write_text(yaml.safe_dump(debug, sort_keys=False))
-    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
-    commit(dest, "fresh")
-    return dest
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO_ROOT / name, repo / name)
+    debug = yaml.safe_load((repo / "configs" / "debug.yaml").read_text())
+    (repo / "configs" / "tiny.yaml").write_text(yaml.safe_dump(debug, sort_keys=False))
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    commit(repo, "fresh")
+    return repo
+
+
+def code_of(repo: Path) -> dict[str, str]:
+    """Variables under which `forgeline` runs the code of `repo`: a `forgeline` package beside it
+    whose folders are the repo's."""
+    package = repo.parent / "code" / "forgeline"
+    package.mkdir(parents=True, exist_ok=True)
+    for layer in LAYERS:
+        (package / layer).unlink(missing_ok=True)
+        (package / layer).symlink_to(repo / layer)
+    return {"PYTHONPATH": str(package.parent)}
+
+
+def dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    return run([DVC, *args], repo, env=code_of(repo))
 
 
 def commit(repo: Path, message: str) -> None:
@@ -66,9 +92,16 @@ def stages_run(repro_output: str) -> list[str]:
     return [line.split("'")[1] for line in repro_output.splitlines() if line.startswith("Running stage")]
 
 
+def stages_restored(repro_output: str) -> list[str]:
+    """The stages `dvc repro` restored from its run cache (the outputs it recorded for the same deps
+    and params) instead of running them."""
+    return [line.split("'")[1] for line in repro_output.splitlines()
+            if line.endswith("is cached - skipping run, checking out outputs")]
+
+
 def status(repo: Path, *targets: str) -> dict:
     """`dvc status` of `targets` alone, or of every stage less `sources`: that one always changed."""
-    shown = json.loads(run([DVC, "status", "--json", *targets], repo).stdout)
+    shown = json.loads(dvc(repo, "status", "--json", *targets).stdout)
     if not targets:
         assert shown.pop("sources") == ["always changed"]
     return shown
@@ -79,20 +112,33 @@ def round_trip(repo: Path, names: tuple[str, ...], *args: str) -> None:
     `dvc push` and `dvc pull` (stages, remote)."""
     outputs = [repo / "artifacts" / name for name in names]
     before = [dvc_hash(out) for out in outputs]
-    run([DVC, "push", *args], repo)
+    dvc(repo, "push", *args)
     for path in [*outputs, repo / ".dvc" / "cache"]:
         shutil.rmtree(path)
-    run([DVC, "pull", *args], repo)
+    dvc(repo, "pull", *args)
     assert [dvc_hash(out) for out in outputs] == before
 
 
-@pytest.mark.slow
-def test_dvc_repro_runs_the_pipeline_and_reruns_only_what_changed(tmp_path: Path, s3_endpoint: str) -> None:
-    repo = fresh_repo(tmp_path)
-    first = run([DVC, "repro"], repo)
+@pytest.fixture(scope="module")
+def reproduced(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh copy of the repository after its first `dvc repro`, committed; tests work on copies."""
+    repo = fresh_repo(tmp_path_factory.mktemp("reproduced"))
+    first = dvc(repo, "repro")
     assert stages_run(first.stdout) == ["sources", "data", "train", "eval", "register"]
     assert status(repo) == {}
+    commit(repo, "first run")
+    return repo
 
+
+def copy_of(repo: Path, root: Path) -> Path:
+    shutil.copytree(repo, root / "repo", symlinks=True)
+    return root / "repo"
+
+
+@pytest.mark.slow
+def test_dvc_repro_records_the_data_version_moves_the_outputs_and_runs_experiments(
+        reproduced: Path, tmp_path: Path, s3_endpoint: str) -> None:
+    repo = copy_of(reproduced, tmp_path)
     # The data version MLflow recorded is the hash dvc.lock holds for the data stage's output.
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     [data_out] = lock["stages"]["data"]["outs"]
@@ -101,41 +147,119 @@ def test_dvc_repro_runs_the_pipeline_and_reruns_only_what_changed(tmp_path: Path
                                     filter_string="attributes.run_name = 'data'")
     assert data_run.data.tags["forgeline.data.dvc_md5"] == data_out["md5"]
     metrics = json.loads((repo / "artifacts" / "eval" / "metrics.json").read_text())
-    shown = json.loads(run([DVC, "metrics", "show", "--json"], repo).stdout)
+    shown = json.loads(dvc(repo, "metrics", "show", "--json").stdout)
     assert find_key(shown, "overall") == pytest.approx(metrics["overall"])
-
-    commit(repo, "first run")
 
     # Remotes: the default local one (dvc-storage/), then S3.
     round_trip(repo, ("raw", "data", "train"))
     assert status(repo) == {}
     assert (repo / "dvc-storage" / "files" / "md5").is_dir()
     make_bucket("dvc")
-    run([DVC, "remote", "add", "s3", "s3://dvc/forgeline"], repo)
-    run([DVC, "remote", "modify", "s3", "endpointurl", s3_endpoint], repo)
+    dvc(repo, "remote", "add", "s3", "s3://dvc/forgeline")
+    dvc(repo, "remote", "modify", "s3", "endpointurl", s3_endpoint)
     round_trip(repo, ("raw", "data", "train"), "-r", "s3")
     assert status(repo) == {}
 
     # The loss curve, one point per step.
-    plots = json.loads(run([DVC, "plots", "show", "--json"], repo).stdout)["data"]
+    plots = json.loads(dvc(repo, "plots", "show", "--json").stdout)["data"]
     assert plots["artifacts/eval/dimensions.png"][0]["type"] == "image"
     [curve] = plots["artifacts/train/loss.csv"]
     assert {int(point["step"]) for point in find_key(curve["content"], "values")} == set(range(1, 21))
 
-    # A change to the eval code that leaves the scores as they were: only eval reruns.
-    with open(repo / "eval" / "lm.py", "a") as f:
-        f.write("\n# touched by the test\n")
-    second = run([DVC, "repro"], repo)
-    assert stages_run(second.stdout) == ["sources", "eval"]
-    assert "Stage 'data' didn't change" in second.stdout and "Stage 'train' didn't change" in second.stdout
-
     # An experiment with more items changes the scores: eval reruns, register records them.
-    third = run([DVC, "exp", "run", "-S", "configs/tiny.yaml:eval.dimensions.reasoning.limit=5"], repo)
+    third = dvc(repo, "exp", "run", "-S", "configs/tiny.yaml:eval.dimensions.reasoning.limit=5")
     assert stages_run(third.stdout) == ["sources", "eval", "register"]
     assert status(repo) == {}
-    diff = json.loads(run([DVC, "metrics", "diff", "--json"], repo).stdout)  # against the first run
+    diff = json.loads(dvc(repo, "metrics", "diff", "--json").stdout)  # against the first run
     changed = diff["artifacts/eval/metrics.json"]
     assert changed and all(entry["old"] != entry["new"] for entry in changed.values()), diff
+
+
+def set_value(key: str, value: object):
+    def change(repo: Path) -> None:
+        path = repo / "configs" / "tiny.yaml"
+        config = yaml.safe_load(path.read_text())
+        section, *keys, last = key.split(".")
+        target = config[section]
+        for name in keys:
+            target = target[name]
+        target[last] = value
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return change
+
+
+def touch_code(path: str):
+    def change(repo: Path) -> None:
+        with open(repo / path, "a") as f:
+            f.write("\n# touched by the test\n")
+    return change
+
+
+def edit_output(path: str):
+    def change(repo: Path) -> None:
+        with open(repo / path, "a") as f:
+            f.write('{"source": "by hand", "name": "x", "text": "an edit"}\n')
+    return change
+
+
+# What changes, and the stages `dvc repro` then reruns or restores (besides `sources`, which
+# always runs), in pipeline order.
+CHANGES = [
+    ("the register stage's config section", set_value("registry.promotion_margin", 0.01), ["register"]),
+    ("the register stage's code", touch_code("tasks/promote.py"), ["register"]),
+    ("the eval stage's code, its scores unchanged", touch_code("eval/suite.py"), ["eval"]),
+    ("the eval stage's config section", set_value("eval.dimensions.reasoning.limit", 2),
+     ["eval", "register"]),
+    ("the data stage's output, edited by hand", edit_output("artifacts/data/val_docs.jsonl"), ["data"]),
+    ("the train stage's code (it resumes at its last step)", touch_code("model/llama.py"), ["train"]),
+    ("the train stage's config section", set_value("train.lr", 0.002), ["train", "eval", "register"]),
+    # build.json, in the data's output, records the code: train resumes, eval scores the same.
+    ("the data stage's code", touch_code("tasks/data/clean.py"), ["data", "train", "eval"]),
+    ("the data stage's config section", set_value("data.val_fraction", 0.06),
+     ["data", "train", "eval", "register"]),
+]
+
+
+def forgeline_runs(repo: Path, known: set[str]) -> list[str]:
+    """The stages whose cache decided to run them in the stage runs MLflow recorded since `known`
+    (`known` is updated)."""
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("forgeline-debug").experiment_id
+    ran = []
+    runs = client.search_runs([experiment], order_by=["attributes.start_time ASC"], max_results=5000)
+    for stage_run in runs:
+        info, tags = stage_run.info, stage_run.data.tags
+        if info.run_id not in known and info.run_name in STAGE_NAMES and tags[CACHE_TAG] == "miss":
+            ran.append(info.run_name)
+        known.add(info.run_id)
+    return ran
+
+
+@pytest.mark.slow
+def test_the_stage_cache_decides_as_dvc_repro_does(reproduced: Path, tmp_path: Path) -> None:
+    """After each change, `dvc status` and `forgeline status` name the same stages; `dvc repro` then
+    runs the stages forgeline's cache runs (DVC restores from its run cache what it recorded for
+    the same deps, an output edited by hand: forgeline, which keeps no copies, would run the stage
+    again, as its status said); afterwards neither has anything left to do."""
+    repo = copy_of(reproduced, tmp_path)
+    known: set[str] = set()
+    forgeline_runs(repo, known)
+    for what, change, expected in CHANGES:
+        change(repo)
+        assert changed_per_forgeline(repo) == sorted(status(repo), key=STAGE_NAMES.index), what
+        output = dvc(repo, "repro").stdout
+        sources, *ran = stages_run(output)
+        restored = stages_restored(output)
+        assert sources == "sources" and sorted(ran + restored, key=STAGE_NAMES.index) == expected, \
+            f"{what}: dvc repro ran {ran} and restored {restored}"
+        assert forgeline_runs(repo, known) == ran, what
+        assert changed_per_forgeline(repo) == [] and status(repo) == {}, what
+
+
+def changed_per_forgeline(repo: Path) -> list[str]:
+    """The stages `forgeline status` says would run."""
+    shown = run([str(VENV_BIN / "forgeline"), "status", "--json"], repo, env=code_of(repo))
+    return [name for name, reason in json.loads(shown.stdout.splitlines()[-1]).items() if reason]
 
 
 @pytest.mark.slow
@@ -151,7 +275,7 @@ def test_dvc_repro_of_the_data_stage_rebuilds_only_for_changed_raw_inputs_and_by
         (repo / "notes" / f"{number}.txt").write_text(" ".join(f"note{number}-word{i}" for i in range(300)))
     commit(repo, "a files source")
     raw, out = repo / "artifacts" / "raw", repo / "artifacts" / "data"
-    assert stages_run(run([DVC, "repro", "data"], repo).stdout) == ["sources", "data"]
+    assert stages_run(dvc(repo, "repro", "data").stdout) == ["sources", "data"]
     assert status(repo, "data") == {}
 
     def stamps() -> dict[str, tuple[int, int]]:
@@ -159,14 +283,14 @@ def test_dvc_repro_of_the_data_stage_rebuilds_only_for_changed_raw_inputs_and_by
 
     # Nothing changed: the sources are read again, the snapshot stays as it was, data is not rerun.
     before = stamps()
-    again = run([DVC, "repro", "data"], repo).stdout
+    again = dvc(repo, "repro", "data").stdout
     assert stages_run(again) == ["sources"] and "Stage 'data' didn't change" in again
     assert stamps() == before
 
     # A raw file changes: a new snapshot, and the data stage reruns on it.
     (repo / "notes" / "1.txt").write_text(" ".join(f"rewritten-word{i}" for i in range(300)))
     manifest = json.loads((out / "manifest.json").read_text())
-    assert stages_run(run([DVC, "repro", "data"], repo).stdout) == ["sources", "data"]
+    assert stages_run(dvc(repo, "repro", "data").stdout) == ["sources", "data"]
     assert json.loads((out / "manifest.json").read_text())["sources"]["notes"] != manifest["sources"]["notes"]
     assert status(repo, "data") == {}
 
@@ -180,6 +304,6 @@ def test_dvc_repro_of_the_data_stage_rebuilds_only_for_changed_raw_inputs_and_by
 
     first = digests()
     shutil.rmtree(out)
-    run([DVC, "repro", "--force", "data"], repo)
+    dvc(repo, "repro", "--force", "data")
     assert digests() == first
     assert any(name.startswith("train-") for name in first)
