@@ -25,6 +25,8 @@ from forgeline.model.training.metrics import MetricsLogger
 
 log = logging.getLogger(__name__)
 
+STACKS_DIR_ENV = "FORGELINE_STACKS_DIR"  # where the hang watchdogs of a launch write their stacks
+
 
 class TrainingUnstable(RuntimeError):
     """Instability that rollbacks could not cure; the message is the report of its events."""
@@ -155,18 +157,26 @@ class WatchdogCallback(Callback):
     """If a step does not finish within `timeout_s` -- a rank stuck in I/O, a collective that
     never completes -- dump every thread's stack and exit, so torchrun restarts the group (and
     the job resumes from its latest checkpoint). Each rank has its own watchdog: the stuck one
-    and the ones waiting for it all dump their stacks."""
+    and the ones waiting for it all dump their stacks, each to its own `stacks_file` (written
+    byte by byte by faulthandler, the dumps of several ranks would interleave on one stream);
+    the launcher logs them. None: to stderr."""
 
     timeout_s: int
+    stacks_file: Path | None = None
+    _stream: Any = None
 
     def on_train_start(self, trainer: Trainer) -> None:
-        faulthandler.dump_traceback_later(self.timeout_s, exit=True)
+        self._stream = open(self.stacks_file, "w") if self.stacks_file else sys.stderr
+        faulthandler.dump_traceback_later(self.timeout_s, exit=True, file=self._stream)
 
     def post_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        faulthandler.dump_traceback_later(self.timeout_s, exit=True)  # re-arm
+        faulthandler.dump_traceback_later(self.timeout_s, exit=True, file=self._stream)  # re-arm
 
     def on_train_end(self, trainer: Trainer) -> None:
         faulthandler.cancel_dump_traceback_later()
+        if self.stacks_file:
+            self._stream.close()
+            self.stacks_file.unlink(missing_ok=True)
 
 
 @dataclass

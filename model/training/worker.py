@@ -31,6 +31,7 @@ from forgeline.model.parallel.parallelize import parallelize
 from forgeline.model.parallel.pipelining import build_schedule, pipeline_split
 from forgeline.model.training.amp import DynamicLossScaler
 from forgeline.model.training.callbacks import (
+    STACKS_DIR_ENV,
     CheckpointCallback,
     InTrainingEvalCallback,
     MetricsCallback,
@@ -152,7 +153,9 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
         *(load_callback(spec) for spec in cfg.train.callbacks),
     ]
     if cfg.train.hang_timeout_s:
-        callbacks.insert(0, WatchdogCallback(cfg.train.hang_timeout_s))
+        stacks_dir = os.environ.get(STACKS_DIR_ENV)  # set by the train stage's launcher
+        stacks_file = Path(stacks_dir) / f"rank{rank}-restart{restart}.txt" if stacks_dir else None
+        callbacks.insert(0, WatchdogCallback(cfg.train.hang_timeout_s, stacks_file))
     if cfg.eval.during_training.every_steps and rank == 0 and run_id:
         callbacks.append(InTrainingEvalCallback(cfg.eval.during_training, outputs.checkpoints, data_dir,
                                                 run_id, cfg.eval.batch_size))

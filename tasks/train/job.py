@@ -18,6 +18,7 @@ import re
 import shutil
 import signal
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from forgeline.configs.schema import resume_fingerprint
 from forgeline.model.checkpoint.manager import committed_checkpoints, latest_valid_checkpoint
 from forgeline.model.fileio import sha256_file
 from forgeline.model.parallel.mesh import local_device_type, resolve_precision
-from forgeline.model.training.callbacks import TrainingUnstable, unstable_report
+from forgeline.model.training.callbacks import STACKS_DIR_ENV, TrainingUnstable, unstable_report
 from forgeline.model.training.outputs import TrainOutputs
 from forgeline.model.training.shards import MANIFEST_NAME, read_manifest
 from forgeline.tasks.atomic import write_text_atomic
@@ -122,15 +123,19 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
     failures: list[str] = []
     rank_exceptions: list[str] = []
 
+    stacks = Path(tempfile.mkdtemp(prefix="forgeline-stacks-"))
+
     def note_failure(line: str) -> None:
         if (failure := describe_failure(line)) is not None:
             failures.append(failure)
             log.warning("worker failure %d: %s", len(failures), failure)
+            log_hang_stacks(stacks, cfg.train.hang_timeout_s)
         elif RANK_EXCEPTION.match(line):
             rank_exceptions.append(line)
 
     try:
-        run_streaming(cmd, launch_env(cfg), cfg.train.timeout_s, log, on_line=note_failure)
+        run_streaming(cmd, launch_env(cfg) | {STACKS_DIR_ENV: str(stacks)}, cfg.train.timeout_s, log,
+                      on_line=note_failure)
     except LaunchError as err:
         report = unstable_report(outputs.unstable_report, fingerprint)
         if report:
@@ -138,6 +143,9 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
         if rank_exceptions:  # lead with what went wrong, not with torchrun's summary
             raise LaunchError(f"training failed: {rank_exceptions[-1]}\n{err}") from None
         raise
+    finally:
+        log_hang_stacks(stacks, cfg.train.hang_timeout_s)
+        shutil.rmtree(stacks, ignore_errors=True)
 
     final = latest_valid_checkpoint(outputs.checkpoints)
     if final is None or final.step != cfg.train.steps:
@@ -155,6 +163,18 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
     )
     write_text_atomic(outputs.summary, json.dumps(asdict(result), indent=2) + "\n")
     return result
+
+
+def log_hang_stacks(stacks: Path, timeout_s: int) -> None:
+    """The stacks the ranks' hang watchdogs dumped (each to its own file: dumps on one stream
+    would interleave), one warning per rank; the files go, so each dump is logged once."""
+    for path in sorted(stacks.glob("rank*.txt")):
+        dump = path.read_text(errors="replace").strip()
+        path.unlink()
+        if dump:
+            rank, restart = path.stem.removeprefix("rank").split("-restart")
+            log.warning("rank %s (start %d of the group) made no step progress for %d s "
+                        "(train.hang_timeout_s); its threads:\n%s", rank, int(restart) + 1, timeout_s, dump)
 
 
 def rank_config_yaml(cfg: Config) -> str:

@@ -133,7 +133,10 @@ def test_hang_is_dumped_and_restarted(data_root: Path, tmp_path: Path,
                                 fault("HangBefore", tmp_path, step=12, rank=1)))
     assert result.step == STEPS and time.monotonic() - started < 120
     assert caplog.text.count("Timeout (0:00:05)!") == 2  # the hung rank and the one waiting on it
-    assert "most recent call first" in caplog.text and "in pre_step" in caplog.text
+    # Each rank's dump logged whole (on one stream, the ranks' dumps interleaved mid-line).
+    [hung] = [r.message for r in caplog.records if "(train.hang_timeout_s); its threads" in r.message
+              and "in pre_step" in r.message]
+    assert hung.startswith("rank 1 (start 1 of the group)") and "most recent call first" in hung
     assert result.failures
 
 
