@@ -90,5 +90,7 @@ def test_deployments_run_the_pipeline_and_a_stage_on_its_outputs(worker: Path, p
     # (the train summary keeps the checkpoint path as the train stage was given it: relative to the workdir)
     checkpoint = worker / stamp["result"]["checkpoint"]
     assert checkpoint.parent == worker / "run1" / "train" / "checkpoints" and checkpoint.is_dir()
-    assert stamp["inputs"]["upstream"]["train"] == earlier.data.tags["forgeline.train.outputs_md5"]
+    # Upstream outputs by their path as the config names them (as in dvc.yaml) and their md5.
+    train_dir = earlier.data.tags["forgeline.train.out_dir"]
+    assert stamp["inputs"]["upstream"][train_dir] == earlier.data.tags["forgeline.train.outputs_md5"]
     assert "eval/overall" in rerun.data.metrics
