@@ -19,7 +19,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -188,10 +188,16 @@ def rank_config_yaml(cfg: Config) -> str:
 
 
 def read_train_summary(cfg: Config) -> TrainResult:
-    path = TrainOutputs(Path(cfg.train.out_dir)).summary
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run the train stage first (`forgeline stage train`)")
-    return TrainResult(**json.loads(path.read_text()))
+    """The summary in `train.out_dir`, its paths under that directory: the summary holds them as
+    the train stage was given them, relative to where it ran, perhaps not where this reads them
+    (`--upstream-run` from another directory, a deployment's workdir)."""
+    outputs = TrainOutputs(Path(cfg.train.out_dir))
+    if not outputs.summary.is_file():
+        raise FileNotFoundError(f"{outputs.summary} not found: run the train stage first "
+                                "(`forgeline stage train`)")
+    summary = TrainResult(**json.loads(outputs.summary.read_text()))
+    return replace(summary, out_dir=str(outputs.root),
+                   checkpoint=str(outputs.checkpoints / Path(summary.checkpoint).name))
 
 
 def discard_foreign_checkpoints(root: Path, fingerprint: str) -> None:

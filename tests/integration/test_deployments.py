@@ -87,8 +87,8 @@ def test_deployments_run_the_pipeline_and_a_stage_on_its_outputs(worker: Path, p
     for up in ("data", "train"):
         assert rerun.data.params[f"{up}.out_dir"] == earlier.data.tags[f"forgeline.{up}.out_dir"]
     stamp = json.loads((worker / "artifacts" / "eval.stage.json").read_text())
-    # (the train summary keeps the checkpoint path as the train stage was given it: relative to the workdir)
-    checkpoint = worker / stamp["result"]["checkpoint"]
+    # The checkpoint of the earlier run, under the train directory that run recorded.
+    checkpoint = Path(stamp["result"]["checkpoint"])
     assert checkpoint.parent == worker / "run1" / "train" / "checkpoints" and checkpoint.is_dir()
     # Upstream outputs by their path as the config names them (as in dvc.yaml) and their md5.
     train_dir = earlier.data.tags["forgeline.train.out_dir"]

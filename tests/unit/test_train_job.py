@@ -3,10 +3,13 @@ so that rerunning train leaves its output as it was when only those changed."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import yaml
 
 from forgeline.configs import Config, load_config
-from forgeline.tasks.train.job import rank_config_yaml
+from forgeline.tasks.train.job import TrainResult, rank_config_yaml, read_train_summary
 
 
 def test_the_ranks_config_holds_what_training_reads_and_nothing_else() -> None:
@@ -20,3 +23,15 @@ def test_the_ranks_config_holds_what_training_reads_and_nothing_else() -> None:
     assert rank_config_yaml(later) == rank_config_yaml(cfg)
     in_training = load_config("debug.yaml", ["eval.during_training.every_steps=10"])
     assert rank_config_yaml(in_training) != rank_config_yaml(cfg)
+
+
+def test_the_summary_is_read_with_its_paths_under_the_configured_directory(tmp_path) -> None:
+    """A stage reading train's output from another directory than train ran in (--upstream-run)
+    finds its checkpoint."""
+    summary = TrainResult(out_dir="artifacts/train", checkpoint="artifacts/train/checkpoints/step-00000020",
+                          step=20, loss=1.0, tokens_seen=8, layout={})
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "train.json").write_text(json.dumps(dataclasses.asdict(summary)))
+    read = read_train_summary(load_config("debug.yaml", [f"train.out_dir={tmp_path / 'elsewhere'}"]))
+    assert read.checkpoint == str(tmp_path / "elsewhere" / "checkpoints" / "step-00000020")
+    assert read.step == 20
