@@ -250,6 +250,28 @@ class ModelConfig(Section):
     max_seq_len: PositiveInt = 512
     """Longest sequence the model accepts (RoPE table size); at least `data.seq_len`."""
 
+    tie_embeddings: bool = False
+    """The output projection is the input embedding (one matrix, SmolLM2's layout). Under pipeline
+    parallelism the first and last stages each hold a copy whose gradients are summed every step,
+    so the copies stay equal; exports write it once."""
+
+    rope_layout: Literal["interleaved", "half"] = "interleaved"
+    """Which channels of a head the rotary embedding rotates together: `interleaved` pairs (2k,
+    2k+1), as Meta's Llama code; `half` pairs (k, k + head_dim/2), as Hugging Face's
+    `rotate_half`. The same network up to a permutation of q/k rows; a model from a Hugging Face
+    base keeps `half` so its weights load unpermuted into any sharded layout."""
+
+    init_from: str | None = None
+    """Start training from pretrained weights instead of a random init: a Hugging Face Llama
+    directory (config.json and *.safetensors), a `.gguf` file (dequantized by transformers once,
+    then cached as safetensors), a forgeline checkpoint (a committed `step-*` directory), a
+    registered model version (`models:/NAME@ALIAS`, `models:/NAME/VERSION`), or a Hugging Face hub
+    name (`org/name`; only when the hub is reachable and not switched off by HF_HUB_OFFLINE). The
+    shape, vocabulary and tokenizer come from the base: a shape key set here must equal the
+    base's, and the data stage tokenizes with the base's tokenizer unless data.tokenizer_path is
+    set (training refuses data tokenized otherwise). A run that dies resumes from its own
+    checkpoints, never from the base again."""
+
     @model_validator(mode="after")
     def _heads_fit(self) -> ModelConfig:
         if self.dim % self.n_heads:
@@ -265,11 +287,30 @@ class ModelConfig(Section):
         return self
 
     def for_vocabulary(self, vocab_size: int) -> ModelConfig:
-        """This shape with the vocabulary of a tokenizer of `vocab_size` tokens."""
+        """This shape with the vocabulary of a tokenizer of `vocab_size` tokens. A pretrained
+        base keeps its own, which may hold more rows than its tokenizer has tokens."""
+        if self.init_from is not None and self.vocab_size is not None and vocab_size <= self.vocab_size:
+            return self
         if self.vocab_size not in (None, vocab_size):
             raise ConfigError(f"model.vocab_size={self.vocab_size} but the tokenizer has {vocab_size} "
                               "tokens; unset model.vocab_size to take the tokenizer's size")
         return self.model_copy(update={"vocab_size": vocab_size})
+
+    @property
+    def awaits_base(self) -> bool:
+        """Starts from a base whose shape is not read yet (`with_base_shape`): the shape keys
+        hold defaults or the values the config asks the base to have."""
+        return self.init_from is not None and self.vocab_size is None
+
+    def with_base_shape(self, base: ModelConfig) -> ModelConfig:
+        """The base's shape, `init_from` kept; fails naming each key this config sets to
+        another value than the base's."""
+        asked = {name: getattr(self, name) for name in self.model_fields_set if name != "init_from"}
+        conflicts = [f"model.{name}={value!r} but the base {self.init_from} has {getattr(base, name)!r}"
+                     for name, value in sorted(asked.items()) if value != getattr(base, name)]
+        if conflicts:
+            raise ConfigError("; ".join(conflicts) + ". The shape comes from the base: remove these keys")
+        return base.model_copy(update={"init_from": self.init_from})
 
     @property
     def head_dim(self) -> int:
@@ -282,14 +323,16 @@ class ModelConfig(Section):
         return 2 * self.dim * (self.dim + kv_dim) + 3 * self.dim * self.ffn_dim + 2 * self.dim
 
     def num_params(self) -> int:
-        """Parameter count: untied embedding and output projection, the blocks, the final norm."""
-        return 2 * self._vocab() * self.dim + self.n_layers * self.layer_params + self.dim
+        """Parameter count: the embedding and (untied) output projection, the blocks, the final
+        norm."""
+        tables = 1 if self.tie_embeddings else 2
+        return tables * self._vocab() * self.dim + self.n_layers * self.layer_params + self.dim
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token, forward + backward (PaLM appendix B): 6 per weight of every
         matmul (all parameters but the embedding table and the norm gains) plus attention's
         score and value products, 12 * n_layers * dim * seq_len."""
-        matmul_params = self.num_params() - self._vocab() * self.dim - (2 * self.n_layers + 1) * self.dim
+        matmul_params = self._vocab() * self.dim + self.n_layers * (self.layer_params - 2 * self.dim)
         return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
 
     def _vocab(self) -> int:
@@ -488,9 +531,28 @@ class TrainConfig(Section):
     seed: int = 0
     """Seed for weight initialization and data order."""
 
+    document_masking: bool | Literal["auto"] = "auto"
+    """Attend only within each document of a packed sample (block-causal mask from the data
+    stage's document starts), rotary positions restarting at 0 at each document start: the loss
+    of every token is the one of its document run alone. `auto`: on for a run that starts from a
+    pretrained base (`model.init_from`), off for a run from scratch."""
+
     log_every: PositiveInt = 10
     """Print a progress line (and compare per-rank step times) every this many steps; MLflow
     gets every step."""
+
+    val_every: int = Field(100, ge=0)
+    """Validate every this many steps and at the last step; 0 disables. All ranks compute,
+    forward only, the loss of the same `val_batches` global batches of the data's validation
+    split -- its first val_batches * global_batch_size samples in a fixed order, the same for
+    every run and layout -- into MLflow and the progress line as `val/loss` (mean nats per
+    target token) and `val/bpb` (bits per byte: val/loss * target tokens / (ln 2 * UTF-8 bytes
+    of the text those tokens encode), special tokens such as EOS counting 0 bytes); train.json
+    keeps the last and the best (lowest val/loss, with its step). Training is bit-identical
+    with it on or off."""
+
+    val_batches: PositiveInt = 8
+    """Global batches each validation reads (fewer if the validation split holds fewer)."""
 
     peak_tflops: PositiveFloat | None = None
     """Peak TFLOP/s of one device that MFU is reported against; None measures an fp32 matmul
@@ -671,12 +733,9 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _sections_agree(self) -> Config:
-        par, tp = self.parallel, self.parallel.tp
-        if self.model.n_heads % tp or self.model.n_kv_heads % tp:
-            raise ValueError(
-                f"parallel.tp={tp} must divide model.n_heads={self.model.n_heads} "
-                f"and model.n_kv_heads={self.model.n_kv_heads}"
-            )
+        par = self.parallel
+        if not self.model.awaits_base:
+            self._shape_fits()
         per_step = par.dp * self.train.grad_accum_steps
         if self.train.global_batch_size % per_step:
             raise ValueError(
@@ -694,6 +753,17 @@ class Config(Section):
         if every and every % saves:
             raise ValueError(f"eval.during_training.every_steps={every} must be a multiple of "
                              f"checkpoint.every_steps={saves}: it evaluates saved checkpoints")
+        return self
+
+    def _shape_fits(self) -> None:
+        """The checks that need the model's shape: for a run from a base, once it is read
+        (`with_base_shape`), before launch."""
+        par, tp = self.parallel, self.parallel.tp
+        if self.model.n_heads % tp or self.model.n_kv_heads % tp:
+            raise ValueError(
+                f"parallel.tp={tp} must divide model.n_heads={self.model.n_heads} "
+                f"and model.n_kv_heads={self.model.n_kv_heads}"
+            )
         if par.num_stages > self.model.n_layers:
             raise ValueError(
                 f"{par.num_stages} pipeline stages (pp={par.pp} x pp_stages_per_rank="
@@ -705,7 +775,6 @@ class Config(Section):
                 f"model.max_seq_len={self.model.max_seq_len} must be >= "
                 f"data.seq_len={self.data.seq_len}"
             )
-        return self
 
     def section_hash(self, *sections: str) -> str:
         """Stable sha256 of the named sections (all when none are named), every key: what
@@ -736,10 +805,10 @@ class Config(Section):
     def with_values(self, values: dict[str, Any]) -> Config:
         """This config with some `section.field` values replaced, validated like any config
         (the file is not read again)."""
-        raw = self.model_dump()
+        raw = self.model_dump(exclude_unset=True)  # keys left unset stay so: see with_base_shape
         for dotted, value in values.items():
             section, field = dotted.split(".")
-            raw[section][field] = value
+            raw.setdefault(section, {})[field] = value
         return Config.model_validate(raw)
 
     def flat(self) -> dict[str, str]:
@@ -760,9 +829,10 @@ class Config(Section):
 # Fields that say where outputs go and how many processes compute them, not what is computed.
 PLACEMENT_FIELDS = frozenset({"out_dir", "raw_dir", "num_workers"})
 # Train fields that change how a job runs, not what it computes: a checkpoint written under
-# other values of these can still be resumed.
+# other values of these can still be resumed. Validation is among them (training is
+# bit-identical with it on or off).
 OPERATIONAL_TRAIN_FIELDS = frozenset({"out_dir", "log_every", "max_restarts", "job_retries", "timeout_s",
-                                      "hang_timeout_s", "peak_tflops", "callbacks"})
+                                      "hang_timeout_s", "peak_tflops", "callbacks", "val_every", "val_batches"})
 
 
 def resume_fingerprint(cfg: Config, data_manifest_sha256: str) -> str:

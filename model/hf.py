@@ -1,8 +1,9 @@
 """Conversion between forgeline's Transformer and Hugging Face `LlamaForCausalLM`.
 
 Both are the same network: pre-norm blocks with RMSNorm (computed in fp32, the gain applied after
-casting back), grouped-query attention scaled by head_dim**-0.5, SwiGLU feed-forward, untied
-output projection. Parameter names map one to one:
+casting back), grouped-query attention scaled by head_dim**-0.5, SwiGLU feed-forward, an output projection
+tied to the embedding or not (`ModelConfig.tie_embeddings`; tied, `lm_head.weight` is not
+written). Parameter names map one to one:
 
     tok_embeddings.weight                 model.embed_tokens.weight
     layers.{i}.attention_norm.weight      model.layers.{i}.input_layernorm.weight
@@ -12,12 +13,14 @@ output projection. Parameter names map one to one:
     norm.weight                           model.norm.weight
     output.weight                         lm_head.weight
 
-One thing differs: the rotary embedding's channel pairing. forgeline rotates interleaved pairs
-(2k, 2k+1) of each head; Hugging Face rotates channel k with channel k + head_dim/2 (rotate_half).
-Export therefore permutes the output rows of wq and wk within each head, so that new row
+The rotary embedding's channel pairing may differ (`ModelConfig.rope_layout`). Hugging Face
+rotates channel k with channel k + head_dim/2 (rotate_half); a model imported from it keeps that
+(`half`), so its weights load unchanged -- also straight into a sharded layout, each rank
+reading only its slices (`load_hf_weights`). forgeline's own models rotate interleaved pairs (2k,
+2k+1): export permutes the output rows of their wq and wk within each head, so that new row
 a * head_dim/2 + k holds old row 2k + a (a in {0, 1}), as transformers'
-convert_llama_weights_to_hf `permute` does; import applies the inverse. Attention scores are
-unchanged because q and k are permuted alike.
+convert_llama_weights_to_hf `permute` does. Attention scores are unchanged because q and k are
+permuted alike.
 """
 
 from __future__ import annotations
@@ -29,10 +32,15 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoTokenizer,
     GenerationConfig,
     LlamaConfig,
     PretrainedConfig,
@@ -43,6 +51,7 @@ from transformers import (
 
 from forgeline.configs.schema import ModelConfig
 from forgeline.model.fileio import fsync_path
+from forgeline.model.init import canonical_name
 from forgeline.model.llama import Transformer
 
 log = logging.getLogger(__name__)
@@ -61,12 +70,14 @@ _LAYER_NAMES = {  # forgeline name within a block -> Hugging Face name within a 
 }
 
 
-def _hf_names(n_layers: int) -> dict[str, str]:
-    """forgeline parameter name -> Hugging Face parameter name, for a whole model."""
+def _hf_names(shape: ModelConfig) -> dict[str, str]:
+    """forgeline parameter name -> Hugging Face parameter name, for a whole model. Tied, the
+    output projection is stored as the embedding."""
     names = {"tok_embeddings.weight": "model.embed_tokens.weight"}
-    for i in range(n_layers):
+    for i in range(shape.n_layers):
         names |= {f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in _LAYER_NAMES.items()}
-    return names | {"norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+    output = "model.embed_tokens.weight" if shape.tie_embeddings else "lm_head.weight"
+    return names | {"norm.weight": "model.norm.weight", "output.weight": output}
 
 
 def _interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -81,6 +92,8 @@ def _half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def _heads(name: str, shape: ModelConfig) -> int | None:
     """Number of heads whose rows need the rotary permutation, None for other parameters."""
+    if shape.rope_layout == "half":
+        return None
     if name.endswith("attention.wq.weight"):
         return shape.n_heads
     if name.endswith("attention.wk.weight"):
@@ -92,23 +105,25 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     """A full (unsharded) forgeline model's weights under `LlamaForCausalLM` names."""
     ours = model.state_dict()
     out = {}
-    for name, hf_name in _hf_names(model.shape.n_layers).items():
+    for name, hf_name in _hf_names(model.shape).items():
         heads = _heads(name, model.shape)
         out[hf_name] = ours[name] if heads is None else _interleaved_to_half(ours[name], heads)
     return out
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], shape: ModelConfig) -> dict[str, torch.Tensor]:
-    """`LlamaForCausalLM` weights -> a forgeline state dict. Without `lm_head.weight` (tied
-    embeddings) the output projection is a copy of the embedding."""
+    """`LlamaForCausalLM` weights -> a forgeline state dict of a model of `shape`. Tied, the
+    output projection is the embedding (transformers may list `lm_head.weight` too: the same
+    tensor)."""
     sd = dict(sd)
-    sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
+    if shape.tie_embeddings:
+        sd.pop("lm_head.weight", None)
     out = {}
-    for name, hf_name in _hf_names(shape.n_layers).items():
+    for name, hf_name in _hf_names(shape).items():
         heads = _heads(name, shape)
-        out[name] = sd.pop(hf_name) if heads is None else _half_to_interleaved(sd.pop(hf_name), heads)
-    out["output.weight"] = out["output.weight"].clone()  # never shares storage with the embedding
-    leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
+        out[name] = sd[hf_name] if heads is None else _half_to_interleaved(sd[hf_name], heads)
+    used = set(_hf_names(shape).values())
+    leftover = [k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise ValueError(f"Hugging Face weights forgeline has no place for: {leftover[:5]}")
     return out
@@ -129,7 +144,7 @@ def hf_config(shape: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaCo
         rope_theta=shape.rope_theta,
         attention_bias=False,
         mlp_bias=False,
-        tie_word_embeddings=False,
+        tie_word_embeddings=shape.tie_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -208,6 +223,8 @@ def model_shape_from_hf(config: PretrainedConfig) -> ModelConfig:
         norm_eps=config.rms_norm_eps,
         rope_theta=rope_theta,
         max_seq_len=config.max_position_embeddings,
+        tie_embeddings=bool(config.tie_word_embeddings),
+        rope_layout="half",
     )
 
 
@@ -234,3 +251,71 @@ def import_hf(source: str | Path | PreTrainedModel, device: torch.device | str =
     model.init_buffers()
     model.load_state_dict(from_hf_state_dict(hf_model.state_dict(), shape))
     return model.eval(), shape
+
+
+def hf_weight_files(directory: Path) -> list[Path]:
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {directory} (forgeline reads safetensors only: "
+                                "save the model with save_pretrained(..., safe_serialization=True))")
+    return files
+
+
+def check_hf_weights(directory: Path, shape: ModelConfig) -> None:
+    """Fail naming the file unless the safetensors in `directory` hold every weight of `shape`
+    at its size; reads the headers only."""
+    with torch.device("meta"):
+        sizes = {name: tuple(t.shape) for name, t in Transformer(shape).state_dict().items()}
+    expected = {hf_name: sizes[name] for name, hf_name in _hf_names(shape).items()}
+    found: dict[str, tuple[int, ...]] = {}
+    for path in hf_weight_files(directory):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                found |= {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+        except Exception as err:  # safetensors raises its own error types for a damaged header
+            raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise ValueError(f"the weights in {directory} lack {missing[:5]} (of {len(missing)} missing)")
+    wrong = [f"{key} is {found[key]}, expected {size}" for key, size in expected.items()
+             if found[key] != size]
+    if wrong:
+        raise ValueError(f"the weights in {directory} do not fit config.json: " + "; ".join(wrong[:5]))
+
+
+@torch.no_grad()
+def load_hf_weights(parts: list[nn.Module], directory: Path, shape: ModelConfig) -> None:
+    """Fill each model part -- materialized, parallelized or not -- with a Hugging Face Llama's
+    weights from the safetensors in `directory`, through torch.distributed.checkpoint's
+    HuggingFaceStorageReader: each rank reads only the slices of its shards (DTensors) from the
+    memory-mapped files. Collective when torch.distributed is initialized: every rank calls it
+    with as many parts. A tied output projection on its own pipeline stage (no embedding there)
+    reads the embedding's rows, so both copies start equal."""
+    names = _hf_names(shape)
+    for part in parts:
+        # named_parameters lists a shared (tied) parameter once, under the embedding's name.
+        state = {names[canonical_name(name)]: param for name, param in part.named_parameters()}
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
+
+
+def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
+    """A GGUF file (quantized or not) -> a Hugging Face directory: config.json, fp32
+    model.safetensors and the tokenizer, dequantized by transformers (`gguf` package). Written
+    to a temporary sibling and renamed into place."""
+    gguf_file, out_dir = Path(gguf_file), Path(out_dir)
+    shape = model_shape_from_hf(AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
+                                                     torch_dtype=torch.float32)
+        model.hf_quantizer = None  # the weights are dequantized: save them as plain fp32
+        model.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name).save_pretrained(tmp)
+        check_hf_weights(tmp, shape)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_path(out_dir.parent)
+    return out_dir

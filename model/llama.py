@@ -35,13 +35,18 @@ def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> to
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, rope: torch.Tensor, layout: str = "interleaved") -> torch.Tensor:
     """Rotate pairs of channels of x (B, T, H, D) by position-dependent angles: each pair and
     its (cos, sin) viewed as complex numbers, one multiplication (a single kernel, where
-    rotating with real arithmetic takes a dozen passes over x)."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, T, H, D/2)
+    rotating with real arithmetic takes a dozen passes over x). `layout` says which channels
+    pair up (ModelConfig.rope_layout): (2k, 2k+1), or (k, k + D/2)."""
     # rope: (T', D/2, 2), the table from position 0; or (B, T, D/2, 2), a position per token.
     rotation = torch.view_as_complex(rope[..., : x.size(1), :, :]).unsqueeze(-2)  # ([B,] T, 1, D/2)
+    if layout == "half":
+        first, second = x.float().chunk(2, dim=-1)
+        rotated = torch.complex(first, second) * rotation
+        return torch.cat([rotated.real, rotated.imag], dim=-1).type_as(x)
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, T, H, D/2)
     return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
 
@@ -93,6 +98,7 @@ class Attention(nn.Module):
         self.n_heads = shape.n_heads
         self.n_kv_heads = shape.n_kv_heads
         self.head_dim = shape.head_dim
+        self.rope_layout = shape.rope_layout
         self.wq = nn.Linear(shape.dim, shape.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=False)
@@ -105,7 +111,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = apply_rope(q, rope, self.rope_layout), apply_rope(k, rope, self.rope_layout)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         gqa = self.n_heads != self.n_kv_heads
         if mask is not None:
@@ -166,13 +172,29 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(shape) for i in range(shape.n_layers)})
         self.norm = RMSNorm(shape.dim, shape.norm_eps)
         self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        if shape.tie_embeddings:
+            self.tie_embeddings()
         self.register_buffer(
             "rope", rope_cache(shape.head_dim, shape.max_seq_len, shape.rope_theta), persistent=False
         )
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """With `cache`, `tokens` continue the positions it holds (incremental decoding)."""
-        h = self.hidden_states(tokens, cache)
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """With `cache`, `tokens` continue the positions it holds (incremental decoding).
+
+        With `documents` (B, T) -- a number per token, equal within each document of a packed
+        row and increasing along it -- a token attends only to its own document, and its rotary
+        position counts from its document's first token: every document as if run alone. A
+        pipeline stage takes them too (its `tokens` are then hidden states)."""
+        positions = mask = None
+        if documents is not None:
+            index = torch.arange(documents.size(1), device=documents.device)  # (T,)
+            begins = torch.ones_like(documents, dtype=torch.bool)  # (B, T): a document's first token
+            begins[:, 1:] = documents[:, 1:] != documents[:, :-1]
+            positions = index - torch.where(begins, index, 0).cummax(dim=1).values  # (B, T)
+            same_document = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
+            mask = (same_document & (index[:, None] >= index[None, :]))[:, None]  # (B, 1, T, T)
+        h = self.hidden_states(tokens, cache, positions, mask)
         return self.output(h) if self.output is not None else h  # (B, T, V)
 
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None,
@@ -199,6 +221,20 @@ class Transformer(nn.Module):
             cache.end(T)
         return self.norm(h) if self.norm is not None else h
 
+    def tie_embeddings(self) -> None:
+        """Make the output projection the embedding's matrix again: again after anything that
+        replaced either parameter (tensor parallelism distributes each on its own)."""
+        if self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        # Leaving the meta device (to_empty), Module._apply gives each module a new parameter
+        # of its own: a tied pair would come out as two matrices.
+        super()._apply(fn, recurse)
+        if self.shape.tie_embeddings:
+            self.tie_embeddings()
+        return self
+
     @torch.no_grad()
     def init_buffers(self) -> None:
         """Fill the (non-persistent) buffers; call after `to_empty()`."""
@@ -210,17 +246,21 @@ class Transformer(nn.Module):
         only on `seed` and each parameter's name (see model/init.py)."""
         self.init_buffers()
         for name, param in self.named_parameters():
-            init_param_(param, self._init_rule(canonical_name(name)), seed, name)
+            name = canonical_name(name)
+            if self.shape.tie_embeddings and name == "output.weight":
+                name = "tok_embeddings.weight"  # the last pipeline stage's copy: the same values
+            init_param_(param, self._init_rule(name), seed, name)
 
     def _init_rule(self, name: str) -> InitFn:
         """Norm gains 1; embeddings N(0, 1); matrices truncated normal with std 0.02, the
         residual-branch outputs (wo, w2) scaled down with depth (GPT-2 / OLMo style), and the
-        output projection with std dim**-0.5."""
+        output projection with std dim**-0.5 -- also the embedding when it is the output
+        projection (tied)."""
         if name.endswith("norm.weight"):
             return lambda t, g: nn.init.ones_(t)
-        if name == "tok_embeddings.weight":
+        if name == "tok_embeddings.weight" and not self.shape.tie_embeddings:
             return lambda t, g: nn.init.normal_(t, std=1.0, generator=g)
-        if name == "output.weight":
+        if name in ("output.weight", "tok_embeddings.weight"):
             std = self.shape.dim**-0.5
         elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
             std = 0.02 / math.sqrt(2 * self.shape.n_layers)

@@ -64,6 +64,10 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, l
             use_local_output=not loss_parallel,
         )
     parallelize_module(model, tp_mesh, root_plan)
+    if model.shape.tie_embeddings:
+        # Each was distributed on its own; both are sharded by vocabulary row (Shard(0)), so the
+        # embedding's DTensor serves the output projection as it is.
+        model.tie_embeddings()
     for block in model.layers.values():
         plan: dict[str, object] = {
             "attention.wq": ColwiseParallel(),

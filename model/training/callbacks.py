@@ -1,5 +1,5 @@
 """The loop's side concerns as callbacks, in the order worker.py installs them: the hang
-watchdog, metrics, stability (skip / roll back), checkpoints, then user callbacks."""
+watchdog, validation, metrics, stability (skip / roll back), checkpoints, then user callbacks."""
 
 from __future__ import annotations
 
@@ -11,17 +11,28 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from forgeline.configs.schema import CallbackSpec, InTrainingEvalConfig, TrainConfig
 from forgeline.model.checkpoint.manager import MANIFEST_NAME, CheckpointManager, step_dir_name
-from forgeline.model.training.loop import Callback, Trainer
-from forgeline.model.training.metrics import MetricsLogger
+from forgeline.model.training.loader import (
+    DocumentBatch,
+    ShardedSampleLoader,
+    num_validation_batches,
+    token_byte_lengths,
+    validation_batches,
+)
+from forgeline.model.training.loop import Callback, Trainer, ValResult
+from forgeline.model.training.metrics import MetricsLogger, bits_per_byte
+from forgeline.model.training.shards import split_shards
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +55,57 @@ class MetricsCallback(Callback):
 
 
 @dataclass
+class ValidationCallback(Callback):
+    """Every `every` steps and at the last step, all ranks compute the loss of the same fixed
+    validation batches (TrainStep.validation_loss: forward only, no gradients) and add
+    `val/loss` and `val/bpb` to the step's metrics -- installed before MetricsCallback, so they
+    reach MLflow and the progress line with the step's other metrics. The trainer's state keeps
+    the last and the best validation (checkpointed with it). The RNG states are restored after
+    it and neither the loader nor the optimizer is touched: training is bit-identical with
+    validation on or off."""
+
+    every: int
+    batches: list[torch.Tensor]  # this rank's slices of the validation batches
+    tokens: int  # target tokens of the whole validation set, all ranks
+    text_bytes: int  # UTF-8 bytes of the text those tokens encode
+
+    @classmethod
+    def from_data(cls, cfg: TrainConfig, data_dir: Path, manifest: dict, loader: ShardedSampleLoader,
+                  dp_group: dist.ProcessGroup, device: torch.device) -> ValidationCallback:
+        """The validation set of the data stage's output, its batches cut as the training
+        `loader` cuts its own. Collective: the byte count is summed over the data-parallel
+        ranks."""
+        num_batches = num_validation_batches(manifest, loader.global_batch_size, cfg.val_batches)
+        batches = validation_batches(split_shards(data_dir, manifest, "val"), num_batches, loader)
+        lengths = torch.from_numpy(token_byte_lengths(data_dir / manifest["tokenizer"]["dir"]))
+        mine = sum(lengths[(b.tokens if isinstance(b, DocumentBatch) else b)[:, 1:]].sum() for b in batches)
+        text_bytes = mine.to(device)
+        dist.all_reduce(text_bytes, group=dp_group)
+        tokens = num_batches * loader.global_batch_size * manifest["seq_len"]
+        log.info("validation every %d steps: %d global batches%s, %d tokens, %d bytes of text",
+                 cfg.val_every, num_batches,
+                 f" (all the validation split holds of train.val_batches={cfg.val_batches})"
+                 if num_batches < cfg.val_batches else "", tokens, text_bytes.item())
+        return cls(cfg.val_every, batches, tokens, int(text_bytes.item()))
+
+    def post_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        state = trainer.state
+        if state.step % self.every and state.step != trainer.total_steps:
+            return
+        started = time.perf_counter()
+        cuda = [trainer.device] if trainer.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda, device_type=trainer.device.type):
+            loss = trainer.train_step.validation_loss(self.batches)
+        state.val_last = ValResult(state.step, loss, bits_per_byte(loss, self.tokens, self.text_bytes))
+        if state.val_best is None or loss < state.val_best.loss:
+            state.val_best = state.val_last
+        metrics.update({"val/loss": loss, "val/bpb": state.val_last.bpb})
+        log.info("validation at step %d in %.2f s: val/loss %.4f, val/bpb %.4f; best %.4f at step %d",
+                 state.step, time.perf_counter() - started, loss, state.val_last.bpb, state.val_best.loss,
+                 state.val_best.step)
+
+
+@dataclass
 class CheckpointCallback(Callback):
     """Saves every `every_steps` and at the last step; commits finished async saves as soon as
     they are written."""
@@ -62,8 +124,10 @@ class CheckpointCallback(Callback):
         step = trainer.state.step
         # After a rollback the step is one already saved: never write it again.
         if step > self.last_saved and (step % self.every_steps == 0 or step == trainer.total_steps):
-            self.manager.save(step, self.state, self.meta | {"loss": metrics["loss"],
-                                                             "tokens_seen": trainer.state.tokens_seen})
+            val = {f"val_{which}": asdict(result) for which, result in
+                   (("last", trainer.state.val_last), ("best", trainer.state.val_best)) if result}
+            self.manager.save(step, self.state, self.meta | val | {"loss": metrics["loss"],
+                                                                   "tokens_seen": trainer.state.tokens_seen})
             self.last_saved = step
 
     def on_train_end(self, trainer: Trainer) -> None:

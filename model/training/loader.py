@@ -6,25 +6,71 @@ data-parallel rank r takes its contiguous slice. Its state is the global positio
 continues at exactly the next unseen sample -- also with another dp degree. A background thread
 opens the next shard of the order (sha256 check, decode, shuffle) while the current one is
 consumed.
+
+With `document_starts` it also reads each sample's document starts (shards.py STARTS_FIELD) and
+yields a DocumentBatch: the tokens and the document each token belongs to, for document masking
+(`train.document_masking`, resolved by `document_masking`).
+
+Validation (`train.val_every`) reads the validation split with the same loader under a fixed
+seed: its first `train.val_batches` global batches, the same for every run and layout.
 """
 
 from __future__ import annotations
 
 import bisect
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer, decoders
 
-from forgeline.model.training.shards import DataError, ShardInfo, read_shard, verify_shard
+from forgeline.configs.schema import Config
+from forgeline.model.training.shards import (
+    SAMPLE_FIELD,
+    STARTS_FIELD,
+    DataError,
+    ShardInfo,
+    iter_shard,
+    read_shard,
+    verify_shard,
+)
+
+Rows = tuple[np.ndarray, np.ndarray | None]  # a shard's (or batch's) tokens, and documents or None
+
+
+def starts_from_base(cfg: Config) -> bool:
+    """The run's weights start from a pretrained base rather than a random init."""
+    return cfg.model.init_from is not None
+
+
+def document_masking(cfg: Config) -> bool:
+    """`train.document_masking` resolved: `auto` is on for a run from a pretrained base."""
+    setting = cfg.train.document_masking
+    return starts_from_base(cfg) if setting == "auto" else setting
+
+
+@dataclass
+class DocumentBatch:
+    """Packed samples and, per token, a number for its document: equal within a document,
+    increasing along the sample (the tokens before the sample's first document start, the tail
+    of an earlier document, count as one)."""
+
+    tokens: torch.Tensor  # (B, T + 1) int64
+    documents: torch.Tensor  # (B, T + 1) int32, non-decreasing along T
+
+    def to(self, device: torch.device | str) -> DocumentBatch:
+        return DocumentBatch(self.tokens.to(device), self.documents.to(device))
 
 
 class ShardedSampleLoader:
     """Deterministic, resumable batches of packed samples for one data-parallel rank."""
 
     def __init__(self, shards: list[ShardInfo], local_batch_size: int, dp_rank: int,
-                 dp_size: int, seed: int):
+                 dp_size: int, seed: int, document_starts: bool = False):
         self.shards = shards
+        self.document_starts = document_starts
         self.local_batch_size = local_batch_size
         self.global_batch_size = local_batch_size * dp_size
         self.dp_rank = dp_rank
@@ -38,8 +84,8 @@ class ShardedSampleLoader:
         self.epoch = 0
         self.position = 0  # global samples consumed in this epoch
         self._order: tuple[np.ndarray, np.ndarray] | None = None  # (shard order, cumulative)
-        self._current: tuple[int, np.ndarray] | None = None  # (slot in the order, its samples)
-        self._pending: dict[int, Future[np.ndarray]] = {}  # slot -> shard being opened
+        self._current: tuple[int, Rows] | None = None  # (slot in the order, its samples)
+        self._pending: dict[int, Future[Rows]] = {}  # slot -> shard being opened
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
         self._verified: set[int] = set()  # shards whose sha256 was checked on first open
 
@@ -58,15 +104,19 @@ class ShardedSampleLoader:
         self.epoch, self.position = state["epoch"], state["position"]
         self._reset_order()
 
-    def next_batch(self) -> torch.Tensor:
-        """The next (local_batch_size, seq_len + 1) int64 batch of this rank."""
+    def next_batch(self) -> torch.Tensor | DocumentBatch:
+        """The next (local_batch_size, seq_len + 1) int64 batch of this rank; with
+        `document_starts`, a DocumentBatch of it."""
         if self.position + self.global_batch_size > self.samples_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
             self._reset_order()
         start = self.position + self.dp_rank * self.local_batch_size
         rows = [self._sample(start + i) for i in range(self.local_batch_size)]
         self.position += self.global_batch_size
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        tokens = torch.from_numpy(np.stack([tokens for tokens, _ in rows]).astype(np.int64))
+        if not self.document_starts:
+            return tokens
+        return DocumentBatch(tokens, torch.from_numpy(np.stack([documents for _, documents in rows])))
 
     def _epoch_order(self) -> tuple[np.ndarray, np.ndarray]:
         if self._order is None:
@@ -81,7 +131,7 @@ class ShardedSampleLoader:
             future.cancel()
         self._order, self._current, self._pending = None, None, {}
 
-    def _sample(self, index: int) -> np.ndarray:
+    def _sample(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
         shard_order, cumulative = self._epoch_order()
         slot = bisect.bisect_right(cumulative, index)
         offset = index - (cumulative[slot - 1] if slot else 0)
@@ -90,18 +140,81 @@ class ShardedSampleLoader:
             self._pending.pop(slot)
             if slot + 1 < len(shard_order):
                 self._open(slot + 1)  # the next shard loads while this one is consumed
-        return self._current[1][offset]
+        tokens, documents = self._current[1]
+        return tokens[offset], None if documents is None else documents[offset]
 
-    def _open(self, slot: int) -> Future[np.ndarray]:
+    def _open(self, slot: int) -> Future[Rows]:
         if slot not in self._pending:
             shard_id = int(self._epoch_order()[0][slot])
             self._pending[slot] = self._prefetcher.submit(self._shuffled_shard, self.epoch, shard_id)
         return self._pending[slot]
 
-    def _shuffled_shard(self, epoch: int, shard_id: int) -> np.ndarray:
+    def _shuffled_shard(self, epoch: int, shard_id: int) -> Rows:
         if shard_id not in self._verified:
             verify_shard(self.shards[shard_id])
             self._verified.add(shard_id)
-        rows = read_shard(self.shards[shard_id])
-        rng = np.random.default_rng([self.seed, epoch, shard_id])
-        return rows[rng.permutation(len(rows))]
+        tokens, documents = self._read(self.shards[shard_id])
+        order = np.random.default_rng([self.seed, epoch, shard_id]).permutation(len(tokens))
+        return tokens[order], None if documents is None else documents[order]
+
+    def _read(self, shard: ShardInfo) -> Rows:
+        """The shard's (samples, seq_len + 1) tokens and, with `document_starts`, each token's
+        document index: 1 at every document start, summed along the sample."""
+        if not self.document_starts:
+            return read_shard(shard), None
+        samples = list(iter_shard(shard))
+        if len(samples) != shard.samples:
+            raise DataError(f"shard {shard.path} has {len(samples)} samples, manifest says {shard.samples}")
+        tokens = np.stack([sample[SAMPLE_FIELD] for sample in samples])
+        starts = [sample[STARTS_FIELD] for sample in samples]
+        documents = np.zeros(tokens.shape, np.int32)
+        rows = np.repeat(np.arange(len(starts)), [len(s) for s in starts])
+        documents[rows, np.concatenate(starts).astype(np.int64)] = 1
+        return tokens, np.cumsum(documents, axis=1, dtype=np.int32)
+
+
+VAL_SEED = 0  # the order validation batches are read in: the same for every run and layout
+
+
+def num_validation_batches(manifest: dict, global_batch_size: int, val_batches: int) -> int:
+    """Global batches one validation reads: `val_batches`, or as many whole ones as the
+    validation split holds; checked before launch."""
+    samples = manifest["splits"].get("val", {}).get("samples", 0)
+    if samples < global_batch_size:
+        raise DataError(
+            f"train.val_every is set, but the data's validation split holds {samples} samples, fewer "
+            f"than one global batch (train.global_batch_size={global_batch_size}); raise "
+            "data.val_fraction and rerun the data stage, or set train.val_every=0"
+        )
+    return min(val_batches, samples // global_batch_size)
+
+
+def validation_batches(shards: list[ShardInfo], num_batches: int, like: ShardedSampleLoader,
+                       ) -> list[torch.Tensor | DocumentBatch]:
+    """This rank's slices of the first `num_batches` global batches of the validation split,
+    cut and shaped as the training loader `like` cuts its own, in the order of epoch 0 under
+    VAL_SEED."""
+    loader = ShardedSampleLoader(shards, like.local_batch_size, like.dp_rank,
+                                 like.global_batch_size // like.local_batch_size, VAL_SEED,
+                                 like.document_starts)
+    return [loader.next_batch() for _ in range(num_batches)]
+
+
+def token_byte_lengths(tokenizer_dir: Path) -> np.ndarray:
+    """Per token id, the UTF-8 bytes of the text it stands for; 0 for special tokens (EOS
+    marks a document boundary, no text). Exact for byte-level BPE -- the data stage's, and
+    most Hugging Face tokenizers' -- whose every vocabulary character is one byte; for other
+    tokenizers, each token decoded on its own."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    lengths = np.zeros(tokenizer.get_vocab_size(with_added_tokens=True), np.int64)
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    if isinstance(tokenizer.decoder, decoders.ByteLevel):
+        for token, index in vocab.items():
+            lengths[index] = len(token)
+    else:
+        ids = sorted(vocab.values())
+        for index, text in zip(ids, tokenizer.decode_batch([[i] for i in ids]), strict=True):
+            lengths[index] = len(text.encode())
+    for index, added in tokenizer.get_added_tokens_decoder().items():
+        lengths[index] = 0 if added.special else len(added.content.encode())
+    return lengths

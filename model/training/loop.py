@@ -5,7 +5,7 @@ hang off the loop as callbacks (callbacks.py)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 import torch
@@ -16,8 +16,18 @@ from forgeline.model.training.loader import ShardedSampleLoader
 from forgeline.model.training.step import StepResult, TrainStep
 
 
+@dataclass(frozen=True)
+class ValResult:
+    """One validation (callbacks.ValidationCallback)."""
+
+    step: int
+    loss: float  # mean nats per target token
+    bpb: float  # bits per UTF-8 byte of the text
+
+
 class TrainerState(Stateful):
-    """Everything besides model, optimizer and RNGs that a resume must restore."""
+    """Everything besides model, optimizer and RNGs that a resume must restore -- also the last
+    and the best validation, so that a resumed run keeps the best from before."""
 
     def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler],
                  loader: ShardedSampleLoader, scaler: DynamicLossScaler | None):
@@ -26,10 +36,15 @@ class TrainerState(Stateful):
         self.schedulers = schedulers
         self.loader = loader
         self.scaler = scaler
+        self.val_last: ValResult | None = None
+        self.val_best: ValResult | None = None
 
     def state_dict(self) -> dict[str, Any]:
+        # Validations as [step, loss, bpb] or []: lists of scalars are single DCP entries.
+        val = {"last": list(astuple(self.val_last)) if self.val_last else [],
+               "best": list(astuple(self.val_best)) if self.val_best else []}
         state = {"step": self.step, "tokens_seen": self.tokens_seen,
-                 "scheduler": self.schedulers[0].state_dict(), "loader": self.loader.state_dict()}
+                 "scheduler": self.schedulers[0].state_dict(), "loader": self.loader.state_dict(), "val": val}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         return state
@@ -41,6 +56,9 @@ class TrainerState(Stateful):
         self.loader.load_state_dict(state["loader"])
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
+        last, best = state["val"]["last"], state["val"]["best"]
+        self.val_last = ValResult(*last) if last else None
+        self.val_best = ValResult(*best) if best else None
 
 
 class Callback:

@@ -1,11 +1,13 @@
 """Training metrics: throughput, MFU, memory, per-rank step times (to name stragglers), sent
 to MLflow asynchronously -- the loop never waits on the tracking store -- and printed as a
 progress line, from global rank 0. Every step is recorded; they are sent once per log
-interval, one batch per interval rather than one write per step."""
+interval, one batch per interval rather than one write per step. A step with validation
+figures (`val/loss`, callbacks.ValidationCallback) also prints a progress line."""
 
 from __future__ import annotations
 
 import logging
+import math
 import resource
 import socket
 import statistics
@@ -34,6 +36,12 @@ def measure_peak_flops(device: torch.device, size: int = 2048, repeats: int = 5)
         a @ b
     _sync(device)
     return 2 * size**3 * repeats / (time.perf_counter() - started)
+
+
+def bits_per_byte(loss: float, tokens: int, text_bytes: int) -> float:
+    """Bits per UTF-8 byte of text from a mean loss in nats per token over `tokens` tokens that
+    encode `text_bytes` bytes: a figure that tokenizers of any vocabulary share."""
+    return loss * tokens / (math.log(2) * text_bytes)
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -76,7 +84,7 @@ class MetricsLogger:
         }
         self._interval_time += step_time
         self._interval_steps += 1
-        at_interval = step % self.log_every == 0 or step == self.total_steps
+        at_interval = step % self.log_every == 0 or step == self.total_steps or "val/loss" in metrics
         if at_interval:
             metrics |= self._rank_step_times()
         if self.rank != 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,8 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> La
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
-                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                    pp_group: dist.ProcessGroup | None = None,
+                    duplicates: Collection[nn.Parameter] = ()) -> torch.Tensor:
     """Clip gradients in place to a global L2 norm of `max_norm` (0: only measure); returns
     the norm before clipping.
 
@@ -52,16 +53,22 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
     a mix of plain tensors and DTensors on different meshes (tensor parallel without sequence
     parallel; FSDP x TP gives 1-D and 2-D meshes) -- the norm is taken per group and the groups
     combined -- and under pipeline parallelism each rank holds only its stages' gradients, so
-    the squared norms are summed over the pipeline group.
+    the squared norms are summed over the pipeline group. `duplicates` are copies of a parameter
+    another stage holds (a tied embedding's): clipped, but not counted twice in the norm.
     """
+    parameters = list(parameters)
     groups: dict[object, list[nn.Parameter]] = defaultdict(list)
     for param in parameters:
         if param.grad is not None:
             mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
             groups[mesh].append(param)
-    squares = []
+    squares = [torch.zeros((), device=parameters[0].device)]  # a rank may hold only duplicates
+    duplicate_ids = {id(p) for p in duplicates}
     for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        counted = [p.grad for p in params if id(p) not in duplicate_ids]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float().square())

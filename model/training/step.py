@@ -2,7 +2,9 @@
 `grad_accum_steps` micro-steps -- through the pipeline schedule when pp > 1 -- then (fp16)
 unscaling, clipping by the global gradient norm over every rank, and the optimizer and LR
 steps. An update whose gradient is not finite is skipped (the LR schedule still advances, so
-step and learning rate stay in lockstep)."""
+step and learning rate stay in lockstep). `validation_loss` runs the same micro-steps forward
+only: through the pipeline schedule's eval, or for the V schedules, whose eval fails in torch
+2.13, stage after stage outside the schedule."""
 
 from __future__ import annotations
 
@@ -15,12 +17,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from forgeline.configs.schema import V_SCHEDULES
+from forgeline.model.parallel.pipelining import stage_ids_of_rank
+from forgeline.model.parallel.tied import TiedEmbeddingCopies
 from forgeline.model.training.amp import DynamicLossScaler
 from forgeline.model.training.optim import clip_grad_norm_
+
+V_SCHEDULE_CLASSES = tuple(get_schedule_class(name) for name in sorted(V_SCHEDULES))
+ACTIVATION_DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # what stages pass on
 
 
 @dataclass
@@ -65,6 +73,7 @@ class TrainStep:
     loss_parallel: bool = False
     autocast_dtype: torch.dtype | None = None  # low precision without FSDP's MixedPrecisionPolicy
     scaler: DynamicLossScaler | None = None  # fp16
+    tied: TiedEmbeddingCopies | None = None  # tied embeddings split over pipeline stages
 
     def __call__(self, batch: torch.Tensor) -> StepResult:
         """`batch`: this rank's (B, T + 1) token ids for the whole step."""
@@ -73,9 +82,12 @@ class TrainStep:
         for index, micro in enumerate(batch.chunk(self.grad_accum_steps)):
             self._set_gradient_sync(index == self.grad_accum_steps - 1)
             loss_sum += self._forward_backward(micro)
+        if self.tied is not None:
+            self.tied.sum_gradients()
         overflow = self.scaler is not None and self.scaler.unscale_(params, self.device)
         # The norm is global (reduced over every rank), so every rank takes the same decision.
-        grad_norm = clip_grad_norm_(params, self.grad_clip, self.pp_group).item()
+        duplicates = self.tied.duplicates if self.tied is not None else ()
+        grad_norm = clip_grad_norm_(params, self.grad_clip, self.pp_group, duplicates).item()
         apply = math.isfinite(grad_norm) and not overflow
         if apply:
             for optimizer in self.optimizers:
@@ -90,29 +102,89 @@ class TrainStep:
         nonfinite = not overflow and not (math.isfinite(grad_norm) and math.isfinite(loss))
         return StepResult(loss, grad_norm, skipped=not apply, nonfinite=nonfinite)
 
-    def _forward_backward(self, micro: torch.Tensor) -> torch.Tensor:
-        """The micro-step's mean loss (unscaled), after its backward."""
+    @torch.no_grad()
+    def validation_loss(self, batches: list[torch.Tensor]) -> float:
+        """Mean token cross-entropy of `batches` -- this rank's (B, T + 1) slices of global
+        batches -- over all ranks: forward only, in the micro-steps (and pipeline microbatches)
+        of a training step, so that it fits wherever training does. Every target token weighs
+        the same (the batches and their chunks are of equal size)."""
+        loss_sum = torch.zeros((), device=self.device)
+        for batch in batches:
+            for micro in batch.to(self.device).chunk(self.grad_accum_steps):
+                loss_sum += self._forward_backward(micro, backward=False)
+        # A forward without backward leaves FSDP units gathered (the root always; under pipeline
+        # parallelism all): shard them again, as a training step leaves them, so that the next
+        # step sees (and clips) the sharded parameters that hold the gradients.
+        for part in self.parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        return self._global_mean(loss_sum / (len(batches) * self.grad_accum_steps))
+
+    def _forward_backward(self, micro: torch.Tensor, backward: bool = True) -> torch.Tensor:
+        """The micro-step's mean loss (unscaled), after its backward (unless not `backward`)."""
         inputs, targets = micro[:, :-1], micro[:, 1:]
         with self._compute_context():
             if self.schedule is not None:
-                scaled = self._pipelined(inputs, targets)
+                scaled = self._pipelined(inputs, targets, backward)
             else:
                 scaled = scaled_loss(self.parts[0](inputs), targets, self.grad_accum_steps, self.scaler)
-                scaled.backward()
+                if backward:
+                    scaled.backward()
         if isinstance(scaled, DTensor):  # replicated loss of loss_parallel
             scaled = scaled.full_tensor()
         unscale = self.scaler.scale if self.scaler is not None else 1.0
         return scaled.detach() * self.grad_accum_steps / unscale
 
-    def _pipelined(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The schedule runs forward and backward of all microbatches; only the last stage
-        sees their losses (scaled_loss of each, so their sum is the micro-step's scaled
-        loss), other stages return 0."""
+    def _pipelined(self, inputs: torch.Tensor, targets: torch.Tensor, backward: bool = True) -> torch.Tensor:
+        """The schedule runs forward and backward of all microbatches (forward only unless
+        `backward`); only the last stage sees their losses (scaled_loss of each, so their sum
+        is the micro-step's scaled loss), other stages return 0."""
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets, "losses": losses} if self.is_last_stage else {}
         args = (inputs,) if self.is_first_stage else ()
-        self.schedule.step(*args, **kwargs)
+        if backward:
+            self.schedule.step(*args, **kwargs)
+        elif isinstance(self.schedule, V_SCHEDULE_CLASSES):
+            return self._staged_forward(inputs, targets)
+        else:
+            self.schedule.eval(*args, **kwargs)
         return torch.stack(losses).sum() if self.is_last_stage else torch.zeros((), device=self.device)
+
+    def _staged_forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """What `_pipelined` returns, forward only and without the schedule: the whole micro-step
+        goes through the stages in order, each pipeline rank running the ones it holds (in V
+        placement, pipelining.py) and passing activations on to the next stage's rank. torch
+        2.13's V schedules fail in eval(): they take local gradients between their two stages
+        even without a backward."""
+        pp, pp_rank = self.pp_group.size(), self.pp_group.rank()
+        stages_of = {rank: stage_ids_of_rank(rank, pp, len(self.parts), v_style=True) for rank in range(pp)}
+        owner = {stage: rank for rank, stages in stages_of.items() for stage in stages}
+        mine = dict(zip(stages_of[pp_rank], self.parts, strict=True))  # parts come in that order
+        last = len(owner) - 1
+        h = inputs  # (B, T) tokens, then (B, T, C) activations (T / tp of them with sequence parallel)
+        for stage, part in sorted(mine.items()):
+            if stage > 0 and owner[stage - 1] != pp_rank:
+                h = self._receive_activations(owner[stage - 1])
+            h = part(h)
+            if stage < last and owner[stage + 1] != pp_rank:
+                self._send_activations(h, owner[stage + 1])
+        if last not in mine:
+            return torch.zeros((), device=self.device)
+        return scaled_loss(h, targets, self.grad_accum_steps, self.scaler)
+
+    def _send_activations(self, h: torch.Tensor, pp_rank: int) -> None:
+        header = torch.tensor([*h.shape, ACTIVATION_DTYPES.index(h.dtype)], device=self.device)
+        dist.send(header, group=self.pp_group, group_dst=pp_rank)
+        dist.send(h.contiguous(), group=self.pp_group, group_dst=pp_rank)
+
+    def _receive_activations(self, pp_rank: int) -> torch.Tensor:
+        header = torch.empty(4, dtype=torch.int64, device=self.device)  # (B, T, C) and the dtype
+        dist.recv(header, group=self.pp_group, group_src=pp_rank)
+        *shape, dtype = header.tolist()
+        h = torch.empty(shape, dtype=ACTIVATION_DTYPES[dtype], device=self.device)
+        dist.recv(h, group=self.pp_group, group_src=pp_rank)
+        return h
 
     def _compute_context(self) -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()

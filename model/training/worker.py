@@ -37,6 +37,7 @@ from forgeline.model.training.callbacks import (
     MetricsCallback,
     StabilityCallback,
     TrainingUnstable,
+    ValidationCallback,
     WatchdogCallback,
     load_callback,
     unstable_report,
@@ -146,7 +147,12 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
     meta = {"layout": degrees, "model_args": shape.model_dump(mode="json"), "data_manifest": data_manifest,
             "config_sha256": cfg.content_hash(),
             "git_commit": os.environ.get("FORGELINE_GIT_COMMIT", "unknown")}
+    # Before the metrics: the validation figures join the step's metrics.
+    validation = [
+        ValidationCallback.from_data(cfg.train, data_dir, manifest, loader, train_step.dp_group, device),
+    ] if cfg.train.val_every else []
     callbacks = [
+        *validation,
         MetricsCallback(metrics),
         StabilityCallback(cfg.train, checkpoints, state, metrics, outputs.unstable_report, fingerprint, rank),
         CheckpointCallback(checkpoints, state, cfg.checkpoint.every_steps, meta),

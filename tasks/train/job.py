@@ -3,7 +3,7 @@ checkpoint it committed.
 
 Output (`train.out_dir`, laid out by model/training/outputs.py): `checkpoints/step-NNNNNNNN/`
 (sharded DCP checkpoints), `config.yaml` (the config the ranks ran with), `train.json`
-(summary) and the loss curve (`loss.csv`, `loss.png`).
+(summary, with the last and the best validation) and the loss curve (`loss.csv`, `loss.png`).
 A rerun with the same model, training recipe and data resumes from the latest valid
 checkpoint (a finished run resumes at its last step and returns at once); checkpoints of any
 other configuration are discarded first, as `dvc repro` would.
@@ -30,6 +30,7 @@ from forgeline.model.checkpoint.manager import committed_checkpoints, latest_val
 from forgeline.model.fileio import sha256_file
 from forgeline.model.parallel.mesh import local_device_type, resolve_precision
 from forgeline.model.training.callbacks import STACKS_DIR_ENV, TrainingUnstable, unstable_report
+from forgeline.model.training.loader import num_validation_batches
 from forgeline.model.training.outputs import TrainOutputs
 from forgeline.model.training.shards import MANIFEST_NAME, read_manifest
 from forgeline.tasks.atomic import write_text_atomic
@@ -55,6 +56,9 @@ class TrainResult:
     tokens_seen: int
     layout: dict
     failures: list[str] = field(default_factory=list)  # each triggered an in-job restart
+    # Validations ({"step", "loss", "bpb"}; train.val_every): the last, and the lowest loss.
+    val_last: dict | None = None
+    val_best: dict | None = None
 
 
 def describe_failure(line: str) -> str | None:
@@ -87,6 +91,8 @@ def record_training(cfg: Config, run: RunTracker, parent: RunTracker | None, res
     run.log_dataset(DATASET_NAME, cfg.data.out_dir, dvc_hash(cfg.data.out_dir), "training")
     summary = {"final_loss": result.loss, "tokens_seen": result.tokens_seen,
                "worker_failures": len(result.failures)}
+    if result.val_best:
+        summary |= {"best_val_loss": result.val_best["loss"], "best_val_bpb": result.val_best["bpb"]}
     run.log_metrics(summary, step=result.step)
     checkpoint = {"forgeline.checkpoint": str(Path(result.checkpoint).resolve()),
                   "forgeline.checkpoint_uri": checkpoint_uri(cfg, result.checkpoint)}
@@ -114,6 +120,8 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
     manifest = read_manifest(data_dir)  # fail before launching anything if the data stage has not run
     cfg.model.for_vocabulary(manifest["vocab_size"])  # and if the model's vocabulary is not the data's
     preflight_precision(cfg)
+    if cfg.train.val_every:  # and if the data cannot fill one validation batch
+        num_validation_batches(manifest, cfg.train.global_batch_size, cfg.train.val_batches)
     outputs = TrainOutputs(Path(cfg.train.out_dir))
     fingerprint = resume_fingerprint(cfg, sha256_file(data_dir / MANIFEST_NAME))
     discard_foreign_checkpoints(outputs.checkpoints, fingerprint)
@@ -160,6 +168,8 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
         tokens_seen=final.manifest["tokens_seen"],
         layout=final.manifest["layout"],
         failures=failures,
+        val_last=final.manifest.get("val_last"),
+        val_best=final.manifest.get("val_best"),
     )
     write_text_atomic(outputs.summary, json.dumps(asdict(result), indent=2) + "\n")
     return result

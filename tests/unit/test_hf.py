@@ -107,15 +107,26 @@ def test_exported_config_and_tokenizer(model: Transformer, tokenizer_dir: Path, 
     assert sorted(p.name for p in exported.parent.iterdir()) == ["hf"]  # no temporary left
 
 
-def test_round_trip_gives_identical_weights(model: Transformer, exported: Path) -> None:
+def test_round_trip_gives_identical_weights(model: Transformer, exported: Path, tokenizer_dir: Path) -> None:
     ours = model.state_dict()
     via_dict = from_hf_state_dict(to_hf_state_dict(model), model.shape)
+    assert via_dict.keys() == ours.keys()
+    for key in ours:
+        assert torch.equal(via_dict[key], ours[key]), key
+    # Imported from the directory, the model keeps Hugging Face's rotary pairing: the same
+    # network, its q/k rows as stored there, every other weight unchanged.
     imported, args = import_hf(exported)
-    assert args == model.shape
-    for state in (via_dict, imported.state_dict()):
-        assert state.keys() == ours.keys()
-        for key in ours:
-            assert torch.equal(state[key], ours[key]), key
+    assert args == model.shape.model_copy(update={"rope_layout": "half"})
+    hf = to_hf_state_dict(model)
+    for key, value in imported.state_dict().items():
+        expected = ours[key]
+        if key.endswith(("wq.weight", "wk.weight")):  # layers.{i}.attention.w{q,k}.weight
+            _, layer, _, projection, _ = key.split(".")
+            expected = hf[f"model.layers.{layer}.self_attn.{projection[1]}_proj.weight"]
+        assert torch.equal(value, expected), key
+    ids = tokens(tokenizer_dir)
+    with torch.no_grad():
+        assert max_diff(imported(ids), model(ids)) <= 1e-5
 
 
 def test_qk_rows_are_permuted_within_each_head(model: Transformer) -> None:
@@ -142,12 +153,42 @@ def test_export_into_an_existing_empty_directory(model: Transformer, tokenizer_d
 def test_import_with_tied_embeddings() -> None:
     torch.manual_seed(0)
     hf_model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True)).eval()
-    model, _ = import_hf(hf_model)
-    assert torch.equal(model.output.weight, model.tok_embeddings.weight)
-    assert model.output.weight.data_ptr() != model.tok_embeddings.weight.data_ptr()
+    model, shape = import_hf(hf_model)
+    assert shape.tie_embeddings and shape.num_params() == hf_model.num_parameters()
+    assert model.output.weight is model.tok_embeddings.weight  # one matrix, as in transformers
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert max_diff(hf_model(ids).logits, model(ids)) <= 1e-4
+
+
+def test_tied_export_writes_the_matrix_once_and_reloads_tied(tmp_path: Path, tokenizer_dir: Path) -> None:
+    torch.manual_seed(0)
+    vocab_size = len(PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir)))
+    config = LlamaConfig(**TINY | {"vocab_size": vocab_size}, tie_word_embeddings=True)
+    hf_model = LlamaForCausalLM(config).eval()
+    model, _ = import_hf(hf_model)
+    assert "lm_head.weight" not in to_hf_state_dict(model)
+    reloaded = AutoModelForCausalLM.from_pretrained(export_hf(model, tokenizer_dir, tmp_path / "hf"))
+    assert reloaded.config.tie_word_embeddings
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert max_diff(reloaded(ids).logits, hf_model(ids).logits) <= 1e-5
+
+
+def test_half_rope_layout_is_transformers_rotate_half() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from forgeline.model.llama import apply_rope, rope_cache
+
+    B, T, H, D = 2, 10, 3, 16
+    q, k = torch.randn(2, B, H, T, D, generator=torch.Generator().manual_seed(0))
+    config = LlamaConfig(**TINY | {"hidden_size": H * D, "num_attention_heads": H}, rope_theta=500.0)
+    cos, sin = LlamaRotaryEmbedding(config)(q, torch.arange(T)[None])
+    hf_q, hf_k = apply_rotary_pos_emb(q, k, cos, sin)
+    rope = rope_cache(D, 32, 500.0)
+    ours = [apply_rope(t.transpose(1, 2), rope, "half").transpose(1, 2) for t in (q, k)]
+    assert max_diff(ours[0], hf_q) <= 1e-5 and max_diff(ours[1], hf_k) <= 1e-5
 
 
 @pytest.mark.parametrize("field, config", [
