@@ -43,6 +43,7 @@ from forgeline.tasks.data.build import (  # noqa: E402
     source_entry,
     split_documents,
     tokenize_documents,
+    tokenizer_source,
 )
 from forgeline.tasks.data.sources import read_source  # noqa: E402
 from forgeline.tasks.tracking import experiment_id, resolve_tracking_uri  # noqa: E402
@@ -63,7 +64,7 @@ def training_documents(cfg: Config) -> list:
 
 def tokenization(cfg: Config, rounds: int) -> dict:
     docs = training_documents(cfg)
-    tokenizer, eos_id = build_tokenizer(cfg.data, docs)
+    tokenizer, eos_id = build_tokenizer(cfg.data, docs, tokenizer_source(cfg))
     texts = [d.text for d in docs]
     chars = sum(map(len, texts))
     best = {"raw": float("inf"), "raw_fast": float("inf"), "stage_1": float("inf"), "stage_2": float("inf")}

@@ -832,14 +832,17 @@ PLACEMENT_FIELDS = frozenset({"out_dir", "raw_dir", "num_workers"})
 # other values of these can still be resumed. Validation is among them (training is
 # bit-identical with it on or off).
 OPERATIONAL_TRAIN_FIELDS = frozenset({"out_dir", "log_every", "max_restarts", "job_retries", "timeout_s",
-                                      "hang_timeout_s", "peak_tflops", "callbacks", "val_every", "val_batches"})
+                                      "hang_timeout_s", "peak_tflops", "callbacks",
+                                      "val_every", "val_batches"})
 
 
-def resume_fingerprint(cfg: Config, data_manifest_sha256: str) -> str:
+def resume_fingerprint(cfg: Config, data_manifest_sha256: str, base_sha256: str | None = None) -> str:
     """What a checkpoint must match to be resumed: the model, the training recipe and the
-    exact data. The parallel layout is not part of it (checkpoints reshard on load), nor the
-    vocabulary size (the data's)."""
+    exact data -- and the weights of the base it started from, if any. The parallel layout is
+    not part of it (checkpoints reshard on load), nor the vocabulary size (the data's)."""
     train = cfg.train.model_dump(mode="json", exclude=set(OPERATIONAL_TRAIN_FIELDS))
     payload = {"model": cfg.model.model_dump(mode="json", exclude={"vocab_size"}), "train": train,
                "data": data_manifest_sha256}
+    if base_sha256 is not None:
+        payload["base"] = base_sha256
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

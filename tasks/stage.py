@@ -185,7 +185,7 @@ STAGES = (
         result_type="forgeline.tasks.train.job:TrainResult",
         function="forgeline.tasks.train.job:train_stage",
         record="forgeline.tasks.train.job:record_training",
-        preflight="forgeline.tasks.train.job:preflight_precision",
+        preflight="forgeline.tasks.train.job:preflight_train",
         retries="train.job_retries",
         gives_up_on="forgeline.model.training.callbacks:TrainingUnstable",
     ),

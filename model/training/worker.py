@@ -11,24 +11,30 @@ latest valid checkpoint, and hands a Trainer (loop.py) its step and callbacks (c
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from forgeline.configs import Config, load_config
 from forgeline.configs.environment import apply_environment_defaults
 from forgeline.configs.schema import ModelConfig, resume_fingerprint
+from forgeline.model.checkpoint.manager import MANIFEST_NAME as CHECKPOINT_MANIFEST
 from forgeline.model.checkpoint.manager import CheckpointManager, ModelState, OptimizerState, RNGState
 from forgeline.model.fileio import sha256_file
+from forgeline.model.hf import load_hf_weights
 from forgeline.model.llama import Transformer
 from forgeline.model.parallel.mesh import build_meshes, init_distributed, resolve_precision
 from forgeline.model.parallel.parallelize import parallelize
 from forgeline.model.parallel.pipelining import build_schedule, pipeline_split
+from forgeline.model.parallel.tied import TiedEmbeddingCopies
 from forgeline.model.training.amp import DynamicLossScaler
 from forgeline.model.training.callbacks import (
     STACKS_DIR_ENV,
@@ -57,7 +63,8 @@ def build_model_parts(cfg: Config, shape: ModelConfig, mesh: DeviceMesh, device:
                       param_dtype: torch.dtype) -> list[tuple[int, nn.Module]]:
     """This rank's (stage index, module) pairs -- one (0, whole model) without pipeline
     parallelism -- built in the order: meta -> pipeline split -> TP -> AC -> compile -> FSDP ->
-    materialize -> initialize (values depend only on the seed, not on the layout)."""
+    materialize -> initialize (values depend only on the seed, not on the layout). A run from a
+    base leaves the weights to the load that follows (a checkpoint, or the base)."""
     with torch.device("meta"):
         model = Transformer(shape)
     if cfg.parallel.pp > 1:
@@ -67,8 +74,23 @@ def build_model_parts(cfg: Config, shape: ModelConfig, mesh: DeviceMesh, device:
     for _, part in parts:
         parallelize(part, cfg.parallel, mesh, param_dtype)
         part.to_empty(device=device)
-        part.init_weights(cfg.train.seed)
+        if cfg.model.init_from:
+            part.init_buffers()
+        else:
+            part.init_weights(cfg.train.seed)
     return parts
+
+
+def load_base(parts: list[nn.Module], base: dict, shape: ModelConfig) -> None:
+    """Collective: the base's weights into the (sharded) parts, each rank reading its slices --
+    from a Hugging Face directory's safetensors, or a forgeline checkpoint's weights only."""
+    started = time.perf_counter()
+    path = Path(base["path"])
+    if (path / CHECKPOINT_MANIFEST).is_file():
+        dcp.load({"model": ModelState(parts)}, checkpoint_id=path)
+    else:
+        load_hf_weights(parts, path, shape)
+    log.info("started from the base %s (%s) in %.1f s", base["uri"], path, time.perf_counter() - started)
 
 
 def build_train_step(cfg: Config, mesh: DeviceMesh, dp_mesh: DeviceMesh, parts: list[tuple[int, nn.Module]],
@@ -91,6 +113,7 @@ def build_train_step(cfg: Config, mesh: DeviceMesh, dp_mesh: DeviceMesh, parts: 
         # Without FSDP there is no MixedPrecisionPolicy to cast parameters: autocast instead.
         autocast_dtype=param_dtype if param_dtype != torch.float32 and layout.dp == 1 else None,
         scaler=scaler,
+        tied=TiedEmbeddingCopies(parts, layout, mesh) if cfg.model.tie_embeddings and layout.pp > 1 else None,
     )
     if layout.pp > 1:
         train_step.schedule = build_schedule(
@@ -101,7 +124,10 @@ def build_train_step(cfg: Config, mesh: DeviceMesh, dp_mesh: DeviceMesh, parts: 
     return train_step
 
 
-def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id: str | None) -> None:
+def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id: str | None,
+          base: dict | None = None) -> None:
+    """`base`: the pretrained base's lineage (tasks/pretrained.py Base.lineage) when the run
+    starts from one."""
     layout = cfg.parallel
     mesh, dp_mesh = build_meshes(layout, world_size, device.type)
     param_dtype = resolve_precision(cfg.train.precision, device.type)
@@ -123,13 +149,14 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
              "train": trainer_state, "rng": RNGState(rank)}
     data_manifest = {"path": str(data_dir / MANIFEST_NAME),
                      "sha256": sha256_file(data_dir / MANIFEST_NAME)}
-    fingerprint = resume_fingerprint(cfg, data_manifest["sha256"])
+    fingerprint = resume_fingerprint(cfg, data_manifest["sha256"], base and base["weights_sha256"])
     outputs = TrainOutputs(Path(cfg.train.out_dir))
     report = unstable_report(outputs.unstable_report, fingerprint)
     if report:  # an automatic restart of a run that already gave up: fail fast, same report
         raise TrainingUnstable(report)
     checkpoints = CheckpointManager(outputs.checkpoints, cfg.checkpoint, rank, world_size, fingerprint)
-    checkpoints.load_latest(state)
+    if checkpoints.load_latest(state) is None and base:  # a run that dies resumes from its own checkpoints
+        load_base(train_step.parts, base, shape)
 
     tokens_per_step = cfg.train.global_batch_size * manifest["seq_len"]
     metrics = MetricsLogger(run_id, rank, cfg.train.log_every, cfg.train.steps,
@@ -147,6 +174,8 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
     meta = {"layout": degrees, "model_args": shape.model_dump(mode="json"), "data_manifest": data_manifest,
             "config_sha256": cfg.content_hash(),
             "git_commit": os.environ.get("FORGELINE_GIT_COMMIT", "unknown")}
+    if base:  # where the run's weights came from: the manifest of every checkpoint records it
+        meta["base"] = base
     # Before the metrics: the validation figures join the step's metrics.
     validation = [
         ValidationCallback.from_data(cfg.train, data_dir, manifest, loader, train_step.dp_group, device),
@@ -184,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="resolved run config (YAML)")
     parser.add_argument("--mlflow-run-id", help="MLflow run that receives the step metrics")
+    parser.add_argument("--base", type=json.loads,
+                        help="the pretrained base, resolved by the launcher: JSON with its uri, local path "
+                             "and weights_sha256")
     args = parser.parse_args(argv)
     apply_environment_defaults()  # inherited from the launcher already; here for a rank started by hand
     cfg = load_config(args.config)
@@ -196,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        train(cfg, device, rank, world_size, args.mlflow_run_id)
+        train(cfg, device, rank, world_size, args.mlflow_run_id, args.base)
     finally:
         dist.destroy_process_group()
 

@@ -46,6 +46,7 @@ from forgeline.tasks.atomic import remove_stale_staging, replace_dir, staging_di
 from forgeline.tasks.data.clean import Cleaned, Deduplicator, clean_document
 from forgeline.tasks.data.snapshot import SOURCES_NAME, check_snapshot, load_snapshot, take_snapshot
 from forgeline.tasks.data.sources import RawDocument, preflight_sources
+from forgeline.tasks.pretrained import resolve_base
 from forgeline.tasks.stage import stage_named
 from forgeline.tasks.tracking import DATA_VERSION_TAG, DATASET_NAME, RAW_VERSION_TAG, RunTracker, dvc_hash
 
@@ -151,7 +152,8 @@ def build_from_snapshot(cfg: Config) -> DataResult:
             "val; add documents or change data.val_fraction so both are non-empty"
         )
     train_docs = mix(train_docs, {source.label: source.weight for source in dcfg.sources})
-    tokenizer, eos_id = build_tokenizer(dcfg, train_docs)
+    source = tokenizer_source(cfg)
+    tokenizer, eos_id = build_tokenizer(dcfg, train_docs, source)
     packed = {}
     for split, docs in (("train", train_docs), ("val", val_docs)):
         stream, lengths = tokenize_documents(tokenizer, [d.text for d in docs], eos_id, num_workers)
@@ -184,7 +186,9 @@ def build_from_snapshot(cfg: Config) -> DataResult:
             "vocab_size": len(hf_tokenizer),
             "eos_id": eos_id,
             "tokenizer": {"dir": "tokenizer",
-                          "sha256": sha256_file(tmp / "tokenizer" / "tokenizer.json")},
+                          "sha256": sha256_file(tmp / "tokenizer" / "tokenizer.json"),
+                          # what training from a base checks its tokenizer against
+                          **({"source_sha256": sha256_file(source)} if source else {})},
             "documents": len(documents),
             "sources": stats,
             "splits": splits,
@@ -202,10 +206,19 @@ def build_from_snapshot(cfg: Config) -> DataResult:
 
 
 def preflight_tokenizer(cfg: Config) -> None:
-    """The tokenizer to load, if one is configured, exists (the sources and the snapshot are
-    checked by the snapshot step's own preflight)."""
+    """The tokenizer to load, if one is configured or comes with the base, exists (the sources
+    and the snapshot are checked by the snapshot step's own preflight)."""
+    tokenizer_source(cfg)
+
+
+def tokenizer_source(cfg: Config) -> Path | None:
+    """The tokenizer.json the stage loads: data.tokenizer_path's, else the base's when the run
+    starts from one (model.init_from); None when it trains one on the corpus."""
     if cfg.data.tokenizer_path:
-        tokenizer_file(cfg.data.tokenizer_path)
+        return tokenizer_file(cfg.data.tokenizer_path)
+    if cfg.model.init_from:
+        return resolve_base(cfg).tokenizer / "tokenizer.json"
+    return None
 
 
 def data_result(out_dir: Path, manifest: dict, reused: bool) -> DataResult:
@@ -221,6 +234,8 @@ def build_fingerprint(cfg: Config, raw: list[RawDocument]) -> str:
     document and the stage's code (how the documents were read is in the documents)."""
     digest = hashlib.sha256(f"{FORMAT_VERSION}\n{cfg.content_hash('data')}\n".encode())
     digest.update(stage_named("data").code_hash().encode())
+    if (source := tokenizer_source(cfg)) is not None:  # a loaded tokenizer counts by its content
+        digest.update(f"tokenizer\0{sha256_file(source)}\0".encode())
     for doc in raw:
         digest.update(f"{doc.source}\0{doc.name}\0{doc.size}\0".encode())
         digest.update(hashlib.sha256(doc.data or b"").digest())
@@ -354,17 +369,18 @@ def tokenizer_file(path: str) -> Path:
     return file
 
 
-def build_tokenizer(dcfg: DataConfig, train_docs: list[Document]) -> tuple[Tokenizer, int]:
-    """The configured tokenizer (loaded, or trained on the training documents) and its EOS id."""
+def build_tokenizer(dcfg: DataConfig, train_docs: list[Document],
+                    source: Path | None = None) -> tuple[Tokenizer, int]:
+    """The tokenizer (loaded from `source`, or trained on the training documents) and its EOS id."""
     eos = dcfg.special_tokens[0]
-    if dcfg.tokenizer_path:
-        tokenizer = Tokenizer.from_file(str(tokenizer_file(dcfg.tokenizer_path)))
+    if source is not None:
+        tokenizer = Tokenizer.from_file(str(source))
     else:
         tokenizer = train_tokenizer(sample_texts(train_docs, dcfg.tokenizer_train_chars), dcfg.vocab_size,
                                     dcfg.special_tokens)
     eos_id = tokenizer.token_to_id(eos)
     if eos_id is None:
-        raise ValueError(f"the tokenizer at {dcfg.tokenizer_path} has no token {eos!r}; set "
+        raise ValueError(f"the tokenizer at {source} has no token {eos!r}; set "
                          "data.special_tokens to start with its end-of-text token")
     return tokenizer, eos_id
 

@@ -34,6 +34,7 @@ from forgeline.model.training.loader import num_validation_batches
 from forgeline.model.training.outputs import TrainOutputs
 from forgeline.model.training.shards import MANIFEST_NAME, read_manifest
 from forgeline.tasks.atomic import write_text_atomic
+from forgeline.tasks.pretrained import Base, check_data_tokenizer, resolve_base, with_base
 from forgeline.tasks.tracking import DATASET_NAME, RunTracker, dvc_hash, git_info, resolve_tracking_uri
 from forgeline.tasks.train.curves import write_loss_curve
 from forgeline.tasks.train.launch import LaunchError, run_streaming
@@ -59,6 +60,7 @@ class TrainResult:
     # Validations ({"step", "loss", "bpb"}; train.val_every): the last, and the lowest loss.
     val_last: dict | None = None
     val_best: dict | None = None
+    base: dict | None = None  # the pretrained base it started from (tasks/pretrained.py Base.lineage)
 
 
 def describe_failure(line: str) -> str | None:
@@ -74,6 +76,14 @@ def describe_failure(line: str) -> str | None:
 def preflight_precision(cfg: Config) -> None:
     """The training precision suits this machine (bf16 only where it is native)."""
     resolve_precision(cfg.train.precision, local_device_type())
+
+
+def preflight_train(cfg: Config) -> None:
+    """Before any stage runs: the precision, and the base (`model.init_from`) -- readable, of an
+    architecture forgeline represents, its shape agreeing with the config and fitting the layout."""
+    preflight_precision(cfg)
+    if cfg.model.init_from:
+        with_base(cfg, resolve_base(cfg))
 
 
 def train_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> TrainResult:
@@ -97,13 +107,31 @@ def record_training(cfg: Config, run: RunTracker, parent: RunTracker | None, res
     checkpoint = {"forgeline.checkpoint": str(Path(result.checkpoint).resolve()),
                   "forgeline.checkpoint_uri": checkpoint_uri(cfg, result.checkpoint)}
     failures = {f"forgeline.worker_failure.{i + 1}": why for i, why in enumerate(result.failures)}
-    run.set_tags(checkpoint | failures)
+    run.set_tags(checkpoint | failures | base_tags(result.base))
+    if result.base:
+        # MLflow keeps digests of at most 36 characters; the whole sha256 is the tag's.
+        run.log_dataset(BASE_INPUT_NAME, result.base["path"], result.base["weights_sha256"][:32],
+                        "base-model")
     run.log_artifact(outputs.config)
     run.log_artifact(outputs.loss_plot, "train")
     if parent:
         parent.log_artifact(outputs.loss_plot, "train")
         parent.log_metrics({f"train/{k}": v for k, v in summary.items()}, step=result.step)
-        parent.set_tags({**checkpoint, "forgeline.train_run_id": run.run_id})
+        parent.set_tags({**checkpoint, **base_tags(result.base), "forgeline.train_run_id": run.run_id})
+
+
+BASE_INPUT_NAME = "base-model"  # the base's entry among the train run's MLflow inputs
+
+
+def base_tags(base: dict | None) -> dict[str, str]:
+    """The base a run started from, as MLflow tags: its URI, its weights' sha256 and, when it came
+    from the registry, the parent model version."""
+    if not base:
+        return {}
+    tags = {"forgeline.base": base["uri"], "forgeline.base_sha256": base["weights_sha256"]}
+    if "model_version" in base:
+        tags["forgeline.parent_model_version"] = base["model_version"]
+    return tags
 
 
 def checkpoint_uri(cfg: Config, checkpoint: str) -> str:
@@ -118,16 +146,21 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
     """Run the train stage; step metrics go to `mlflow_run_id` when given."""
     data_dir = Path(cfg.data.out_dir)
     manifest = read_manifest(data_dir)  # fail before launching anything if the data stage has not run
+    base = None
+    if cfg.model.init_from:  # and if the base is unreadable, does not fit, or has another tokenizer
+        base = resolve_base(cfg)
+        cfg = with_base(cfg, base)
+        check_data_tokenizer(base, manifest, data_dir)
     cfg.model.for_vocabulary(manifest["vocab_size"])  # and if the model's vocabulary is not the data's
     preflight_precision(cfg)
     if cfg.train.val_every:  # and if the data cannot fill one validation batch
         num_validation_batches(manifest, cfg.train.global_batch_size, cfg.train.val_batches)
     outputs = TrainOutputs(Path(cfg.train.out_dir))
-    fingerprint = resume_fingerprint(cfg, sha256_file(data_dir / MANIFEST_NAME))
+    fingerprint = resume_fingerprint(cfg, sha256_file(data_dir / MANIFEST_NAME), base and base.sha256)
     discard_foreign_checkpoints(outputs.checkpoints, fingerprint)
 
     write_text_atomic(outputs.config, rank_config_yaml(cfg))
-    cmd = torchrun_command(cfg, outputs.config, mlflow_run_id)
+    cmd = torchrun_command(cfg, outputs.config, mlflow_run_id, base)
     failures: list[str] = []
     rank_exceptions: list[str] = []
 
@@ -170,6 +203,7 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
         failures=failures,
         val_last=final.manifest.get("val_last"),
         val_best=final.manifest.get("val_best"),
+        base=final.manifest.get("base"),
     )
     write_text_atomic(outputs.summary, json.dumps(asdict(result), indent=2) + "\n")
     return result
@@ -222,9 +256,11 @@ def discard_foreign_checkpoints(root: Path, fingerprint: str) -> None:
         shutil.rmtree(partial)
 
 
-def torchrun_command(cfg: Config, config_path: Path, mlflow_run_id: str | None) -> list[str]:
+def torchrun_command(cfg: Config, config_path: Path, mlflow_run_id: str | None,
+                     base: Base | None = None) -> list[str]:
     """One node's launcher: standalone on one node, else a c10d rendezvous that every node's
-    launcher joins (node ranks are assigned by the rendezvous)."""
+    launcher joins (node ranks are assigned by the rendezvous). The ranks read a base's weights
+    from where it was resolved on this node."""
     par = cfg.parallel
     if par.nnodes == 1:
         rendezvous = ["--standalone"]
@@ -241,6 +277,8 @@ def torchrun_command(cfg: Config, config_path: Path, mlflow_run_id: str | None) 
     ]
     if mlflow_run_id:
         cmd += ["--mlflow-run-id", mlflow_run_id]
+    if base is not None:
+        cmd += ["--base", json.dumps(base.lineage())]
     return cmd
 
 

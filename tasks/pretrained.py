@@ -1,0 +1,209 @@
+"""The pretrained base a run starts from (`model.init_from`), resolved in the launching process:
+its weights on local disk, its shape, its tokenizer and the sha256 of its weights.
+
+    a Hugging Face Llama directory      config.json, *.safetensors, tokenizer.json
+    a .gguf file                        dequantized to fp32 safetensors by transformers once,
+                                        cached under $FORGELINE_CACHE/bases (default
+                                        ~/.cache/forgeline/bases) by the file's sha256
+    a forgeline checkpoint              a committed step-* directory; its run's tokenizer
+    models:/NAME@ALIAS, models:/NAME/V  the registered version's Hugging Face export, downloaded
+                                        once into the cache by name and version
+    org/name                            the Hugging Face hub, only where it is switched on
+
+Everything that can be wrong with a base -- an unreadable or missing file, an architecture
+forgeline cannot represent, a model version that does not exist -- fails here, before any
+stage work. The ranks read the weights themselves, each only its shards (model/hf.py
+load_hf_weights, or a DCP load of a checkpoint's weights).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+from transformers import AutoConfig
+
+from forgeline.configs.schema import Config, ConfigError, ModelConfig
+from forgeline.model.checkpoint.manager import MANIFEST_NAME, read_checkpoint_manifest, verify_checkpoint
+from forgeline.model.fileio import sha256_file
+from forgeline.model.hf import check_hf_weights, convert_gguf, hf_weight_files, model_shape_from_hf
+from forgeline.tasks.tracking import resolve_tracking_uri
+
+CACHE_ENV = "FORGELINE_CACHE"
+REGISTRY_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
+HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class Base:
+    uri: str
+    """`model.init_from` as configured."""
+    weights: Path
+    """A Hugging Face directory, or a forgeline checkpoint's step directory."""
+    shape: ModelConfig
+    tokenizer: Path
+    """The directory of its tokenizer.json."""
+    sha256: str
+    """Of its weights: the safetensors files, or the checkpoint's files (by their manifest)."""
+    model_version: str | None = None
+    """NAME/VERSION when it came from the model registry."""
+
+    @property
+    def is_checkpoint(self) -> bool:
+        return (self.weights / MANIFEST_NAME).is_file()
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        return sha256_file(self.tokenizer / "tokenizer.json")
+
+    def lineage(self) -> dict[str, str]:
+        """What checkpoints and MLflow record of it."""
+        record = {"uri": self.uri, "path": str(self.weights.resolve()), "weights_sha256": self.sha256}
+        return record | ({"model_version": self.model_version} if self.model_version else {})
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "forgeline")) / "bases"
+
+
+def resolve_base(cfg: Config) -> Base:
+    """The base of `cfg.model.init_from` (which must be set), fetched or converted if need be."""
+    uri = cfg.model.init_from
+    path = Path(uri).expanduser()
+    if match := REGISTRY_URI.match(uri):
+        directory, version = registry_base(cfg, match["name"], match["alias"], match["version"])
+        return hf_base(uri, directory, model_version=version)
+    if path.is_file() and path.suffix == ".gguf":
+        return hf_base(uri, gguf_base(path))
+    if path.is_dir() and (path / MANIFEST_NAME).is_file():
+        return checkpoint_base(uri, path)
+    if path.is_dir():
+        return hf_base(uri, path)
+    if not path.exists() and HUB_NAME.match(uri) and not uri.startswith((".", "/")):
+        return hf_base(uri, hub_base(uri))
+    raise ConfigError(f"model.init_from={uri}: no such directory or .gguf file (expected a Hugging Face "
+                      "Llama directory, a .gguf file, a forgeline checkpoint step-* directory, "
+                      "models:/NAME@ALIAS, models:/NAME/VERSION or a hub name org/name)")
+
+
+def hf_base(uri: str, directory: Path, model_version: str | None = None) -> Base:
+    config = directory / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"model.init_from={uri}: no config.json in {directory} (not a Hugging Face model "
+                          "directory, nor a forgeline checkpoint)")
+    try:
+        shape = model_shape_from_hf(AutoConfig.from_pretrained(str(directory)))
+    except ValueError as err:  # an architecture forgeline cannot represent: names what
+        raise ConfigError(f"model.init_from={uri}: {err}") from None
+    try:
+        check_hf_weights(directory, shape)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"model.init_from={uri}: {err}") from None
+    if not (directory / "tokenizer.json").is_file():
+        raise ConfigError(f"model.init_from={uri}: no tokenizer.json in {directory} (the data stage "
+                          "tokenizes with the base's tokenizer; save it there with save_pretrained)")
+    digest = hashlib.sha256()
+    for file in hf_weight_files(directory):
+        digest.update(f"{file.name}:{sha256_file(file)}\n".encode())
+    return Base(uri, directory, shape, directory, digest.hexdigest(), model_version)
+
+
+def checkpoint_base(uri: str, step_dir: Path) -> Base:
+    problems = verify_checkpoint(step_dir)
+    if problems:
+        raise ConfigError(f"model.init_from={uri} is not a usable checkpoint: {'; '.join(problems)}")
+    manifest = read_checkpoint_manifest(step_dir)
+    tokenizer = tokenizer_of_checkpoint(uri, manifest)
+    files = "".join(f"{name}:{sha}\n" for name, sha in sorted(manifest["files"].items()))
+    return Base(uri, step_dir, ModelConfig(**manifest["model_args"]), tokenizer,
+                hashlib.sha256(files.encode()).hexdigest())
+
+
+def tokenizer_of_checkpoint(uri: str, manifest: dict) -> Path:
+    """The tokenizer of the data the checkpoint was trained on, if that data is still there."""
+    data_manifest = Path(manifest["data_manifest"]["path"])
+    directory = data_manifest.parent / "tokenizer"
+    if not (directory / "tokenizer.json").is_file():
+        raise ConfigError(f"model.init_from={uri}: the tokenizer of the data it was trained on is gone "
+                          f"({directory}); rebuild that data, or export the checkpoint "
+                          "(`forgeline checkpoints export --format hf`) and start from the export")
+    return directory
+
+
+def gguf_base(gguf_file: Path) -> Path:
+    """The Hugging Face directory converted from `gguf_file`, converted on first use."""
+    directory = cache_dir() / f"gguf-{sha256_file(gguf_file)[:16]}"
+    if not (directory / "config.json").is_file():
+        convert_gguf(gguf_file, directory)
+    return directory
+
+
+def registry_base(cfg: Config, name: str, alias: str | None, version: str | None) -> tuple[Path, str]:
+    """The Hugging Face export of a registered version (register.py logs it as the pyfunc's `hf`
+    artifact), downloaded once, and NAME/VERSION."""
+    tracking_uri = resolve_tracking_uri(cfg)
+    client = MlflowClient(tracking_uri)
+    try:
+        if alias:
+            found = client.get_model_version_by_alias(name, alias)
+        else:
+            found = client.get_model_version(name, version)
+    except MlflowException as err:
+        which = f"alias @{alias}" if alias else f"version {version}"
+        raise ConfigError(f"model.init_from={cfg.model.init_from}: registered model {name!r} has no {which} "
+                          f"in the registry at {tracking_uri} ({err.message.splitlines()[0]})") from None
+    directory = cache_dir() / "models" / name / found.version
+    if not (directory / "config.json").is_file():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{found.version}.tmp-", dir=directory.parent))
+        try:
+            mlflow.set_tracking_uri(tracking_uri)
+            model_dir = Path(mlflow.artifacts.download_artifacts(f"models:/{name}/{found.version}",
+                                                                 dst_path=str(tmp)))
+            os.replace(model_dir / "artifacts" / "hf", directory)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return directory, f"{name}/{found.version}"
+
+
+def hub_base(repo_id: str) -> Path:
+    """A hub model's config, weights and tokenizer, where the hub is switched on."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "false", "no", ""):
+        raise ConfigError(
+            f"model.init_from={repo_id} names a Hugging Face hub model, but the hub is switched off "
+            f"(HF_HUB_OFFLINE={os.environ['HF_HUB_OFFLINE']}; forgeline's default, so that no run downloads "
+            f"at run time): download it once (`hf download {repo_id} --local-dir DIR`) and set "
+            "model.init_from=DIR, or run with HF_HUB_OFFLINE=0")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+
+
+def with_base(cfg: Config, base: Base) -> Config:
+    """`cfg` with the base's shape and vocabulary; fails naming every shape key the config sets
+    to another value, and any layout the shape does not fit (e.g. tp must divide the heads)."""
+    raw = cfg.model_dump(exclude_unset=True)
+    raw["model"] = cfg.model.with_base_shape(base.shape).model_dump()
+    try:
+        return Config.model_validate(raw)
+    except ValueError as err:
+        raise ConfigError(f"with the shape of the base {base.uri}: {err}") from None
+
+
+def check_data_tokenizer(base: Base, manifest: dict, data_dir: Path) -> None:
+    """Training refuses data tokenized with another tokenizer than the base's."""
+    built_with = manifest["tokenizer"].get("source_sha256")
+    if built_with != base.tokenizer_sha256:
+        origin = (f"the tokenizer sha256 {built_with}" if built_with else
+                  f"a tokenizer trained on the corpus (sha256 {manifest['tokenizer']['sha256']})")
+        raise ConfigError(f"the data in {data_dir} was tokenized with {origin}, but the base {base.uri} "
+                          f"has tokenizer sha256 {base.tokenizer_sha256}: rerun the data stage with "
+                          "model.init_from set (it then tokenizes with the base's tokenizer)")

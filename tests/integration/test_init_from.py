@@ -1,0 +1,194 @@
+"""Continued pre-training from a Hugging Face Llama (`model.init_from`) with real torchrun ranks:
+a small random `LlamaForCausalLM` with tied embeddings, made here and saved as a user's
+`save_pretrained` would, is the base.
+
+Step-0 parity: on the same first global batch, the train stage's first loss equals the loss
+transformers computes for the base (fp32, 1e-5 relative) and its gradient norm (before
+clipping) transformers' (1e-4 relative) -- in one process and in the layouts below, each rank
+loading only its shards. The SmolLM2-sized figures are in test_hf_smollm2.py."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mlflow import MlflowClient
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from forgeline.configs import Config
+from forgeline.configs.schema import ConfigError
+from forgeline.model.checkpoint.manager import read_checkpoint_manifest
+from forgeline.model.fileio import sha256_file
+from forgeline.model.training.loader import ShardedSampleLoader
+from forgeline.model.training.shards import read_manifest, split_shards
+from forgeline.tasks.data.build import build_dataset
+from forgeline.tasks.runner import run_stage
+from forgeline.tasks.stage import stage_named
+from forgeline.tasks.tracking import resolve_tracking_uri
+from forgeline.tasks.train.job import TrainResult, train_model
+from tests.conftest import debug_config
+
+pytestmark = pytest.mark.integration
+
+# The debug config's model keys (configs/debug.yaml): a base of this shape fits them.
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=176, max_position_embeddings=512)
+COMMON = ["train.document_masking=false", "train.val_every=0", "train.peak_tflops=1", "train.warmup_steps=0",
+          "checkpoint.every_steps=100"]
+LAYOUTS = {
+    "tp2": ["parallel.tp=2"],  # sequence and loss parallel: the tied matrix sharded by vocabulary row
+    "pp2": ["parallel.pp=2"],  # the tied matrix's two copies on two ranks
+}
+SLOW_LAYOUTS = {
+    "dp2": ["parallel.dp_shard=2"],
+    "pp2xdp2": ["parallel.pp=2", "parallel.dp_shard=2"],
+    "hsdp2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
+}
+
+
+def save_tokenizer(directory: Path) -> int:
+    """A byte-level BPE tokenizer with the debug data's EOS; its size."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["To be, or not to be, that is the question: whether 'tis nobler in the "
+                                   "mind to suffer the slings and arrows of outrageous fortune"] * 4,
+                                  trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    fast.save_pretrained(directory)
+    return len(fast)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("base") / "tiny-llama"
+    vocab_size = save_tokenizer(directory)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE, vocab_size=vocab_size, tie_word_embeddings=True,
+                                         rms_norm_eps=1e-5, rope_theta=10000.0))
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def root(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The debug data built for the base: tokenized with its tokenizer."""
+    root = tmp_path_factory.mktemp("cpt")
+    build_dataset(debug_config(root, f"model.init_from={base_dir}"))
+    return root
+
+
+def config(root: Path, base: Path, name: str, *overrides: str) -> Config:
+    return debug_config(root, f"model.init_from={base}", f"train.out_dir={root / name}", *COMMON, *overrides)
+
+
+def train_run(cfg: Config, result: TrainResult):  # noqa: ANN201 (an mlflow Run)
+    client = MlflowClient(resolve_tracking_uri(cfg))
+    checkpoint = Path(result.checkpoint).resolve()
+    [run] = client.search_runs([client.get_experiment_by_name("forgeline-debug").experiment_id],
+                               filter_string=f"tags.`forgeline.checkpoint` = '{checkpoint}'")
+    return run
+
+
+def first_step_metrics(cfg: Config, result: TrainResult) -> tuple[float, float]:
+    client, run_id = MlflowClient(resolve_tracking_uri(cfg)), train_run(cfg, result).info.run_id
+    loss, norm = (min(client.get_metric_history(run_id, key), key=lambda m: m.step).value
+                  for key in ("loss", "grad_norm"))
+    return loss, norm
+
+
+@pytest.fixture(scope="module")
+def transformers_step0(root: Path, base_dir: Path) -> tuple[float, float]:
+    """transformers' loss and gradient norm for the base on the first global batch."""
+    cfg = config(root, base_dir, "reference")
+    data_dir = Path(cfg.data.out_dir)
+    loader = ShardedSampleLoader(split_shards(data_dir, read_manifest(data_dir), "train"),
+                                 cfg.train.global_batch_size, 0, 1, cfg.train.seed)
+    batch = loader.next_batch()
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    logits = model(batch[:, :-1]).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    loss.backward()
+    return loss.item(), torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+
+
+@pytest.fixture(scope="module")
+def single(root: Path, base_dir: Path) -> tuple[Config, TrainResult]:
+    cfg = config(root, base_dir, "single", "train.steps=4", "checkpoint.every_steps=2")
+    return cfg, run_stage(stage_named("train"), cfg)
+
+
+def test_data_is_tokenized_with_the_base_tokenizer(root: Path, base_dir: Path) -> None:
+    tokenizer = read_manifest(root / "data")["tokenizer"]
+    assert tokenizer["source_sha256"] == sha256_file(base_dir / "tokenizer.json")
+
+
+def test_first_step_matches_transformers_in_one_process(single: tuple[Config, TrainResult],
+                                                        transformers_step0: tuple[float, float]) -> None:
+    loss, norm = first_step_metrics(*single)
+    assert loss == pytest.approx(transformers_step0[0], rel=1e-5)
+    assert norm == pytest.approx(transformers_step0[1], rel=1e-4)
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS, *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW_LAYOUTS)])
+def test_first_step_matches_transformers_in_layout(name: str, root: Path, base_dir: Path,
+                                                   transformers_step0: tuple[float, float]) -> None:
+    cfg = config(root, base_dir, name, "train.steps=1", *(LAYOUTS | SLOW_LAYOUTS)[name])
+    loss, norm = first_step_metrics(cfg, run_stage(stage_named("train"), cfg))
+    assert loss == pytest.approx(transformers_step0[0], rel=1e-5)
+    assert norm == pytest.approx(transformers_step0[1], rel=1e-4)
+
+
+def test_the_checkpoints_and_mlflow_record_the_base(single: tuple[Config, TrainResult],
+                                                    base_dir: Path) -> None:
+    cfg, result = single
+    base = read_checkpoint_manifest(Path(result.checkpoint))["base"]
+    assert base["uri"] == str(base_dir) and len(base["weights_sha256"]) == 64
+    assert result.base == base
+    run = train_run(cfg, result)
+    assert run.data.tags["forgeline.base"] == str(base_dir)
+    assert run.data.tags["forgeline.base_sha256"] == base["weights_sha256"]
+    inputs = {i.dataset.name: i.dataset for i in run.inputs.dataset_inputs}
+    assert inputs["base-model"].digest == base["weights_sha256"][:32]
+
+
+def test_a_continued_run_resumes_from_its_own_checkpoint(single: tuple[Config, TrainResult],
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A run that died after its step-2 checkpoint continues from it, not from the base again,
+    to the same weights."""
+    cfg, result = single
+    final = Path(result.checkpoint)
+    manifest = read_checkpoint_manifest(final)
+    shutil.rmtree(final)  # as if it died before its last save
+    caplog.set_level("INFO")
+    resumed = train_model(cfg)
+    log = "\n".join(r.getMessage() for r in caplog.records)
+    assert "resumed from" in log and "step-00000002" in log
+    assert "started from the base" not in log
+    assert resumed.step == 4 and resumed.loss == result.loss
+    # The tensor data bit-identical (.metadata is DCP's pickled index, not byte-stable).
+    data = [{name: sha for name, sha in m["files"].items() if name.endswith(".distcp")}
+            for m in (read_checkpoint_manifest(final), manifest)]
+    assert data[0] == data[1] and data[0]
+
+
+def test_a_conflicting_shape_fails_before_launch_naming_both_values(root: Path, base_dir: Path) -> None:
+    cfg = config(root, base_dir, "conflict", "model.n_layers=3")
+    with pytest.raises(ConfigError, match=r"model.n_layers=3 but the base .* has 2"):
+        run_stage(stage_named("train"), cfg)
+    assert not (root / "conflict").exists()
+
+
+def test_data_of_another_tokenizer_is_refused_naming_both_hashes(data_root: Path, base_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    cfg = debug_config(tmp_path, f"model.init_from={base_dir}", f"data.out_dir={data_root / 'data'}",
+                       *COMMON)
+    sha = "[0-9a-f]{64}"
+    with pytest.raises(ConfigError, match=rf"trained on the corpus \(sha256 {sha}\).*tokenizer sha256 {sha}"):
+        train_model(cfg)
