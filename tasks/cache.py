@@ -5,6 +5,7 @@ real DVC repository and checks that both decide alike.
 
 A stage's inputs are what its record (tasks/stage.py), and so its dvc.yaml entry, lists:
 - `config`: its config sections, every key (`Config.section_hash`), as DVC's params;
+- `params`: the single keys of other sections it lists (the data stage: `model.init_from`);
 - `code`: its source files;
 - `upstream`: each upstream output it reads, by its path as the config names it and its DVC md5;
 - the snapshot it builds from (the data stage's raw inputs, taken before it on every run like
@@ -52,6 +53,8 @@ def stage_inputs(stage: Stage, cfg: Config) -> dict[str, Any]:
         "upstream": {_dep_path(read.stage, read.path, cfg): dvc_hash(_dep_path(read.stage, read.path, cfg))
                      for read in stage.reads},
     }
+    if stage.params:
+        inputs["params"] = {key: cfg.value(key) for key in stage.params}
     if stage.snapshot is not None:
         raw = cfg.value(stage.snapshot.output)
         inputs[stage.snapshot.name] = {raw: dvc_hash(raw)}

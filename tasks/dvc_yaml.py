@@ -66,7 +66,7 @@ def stage_entry(stage: Stage) -> dict[str, Any]:
         deps.append(template(stage.snapshot.output))
     entry: dict[str, Any] = {"cmd": f"forgeline stage {stage.name} --config {PARAMS_FILE}{flag}",
                              "deps": deps + list(stage.code),
-                             "params": [{PARAMS_FILE: list(stage.sections)}]}
+                             "params": [{PARAMS_FILE: [*stage.sections, *stage.params]}]}
     for kind, key in (("out", "outs"), ("metric", "metrics"), ("plot", "plots")):
         listed = [output_entry(stage, output) for output in stage.outputs if output.kind == kind]
         if listed:
@@ -110,6 +110,6 @@ def render_stage_table() -> str:
         files = [output.path for output in stage.outputs if output.path]
         writes = f"`{stage.output}`" + (f": {', '.join(f'`{f}`' for f in files)}" if files else "")
         rows.append(f"| {stage.name} | {stage.summary} | {', '.join(reads) or 'its sources'} | "
-                    f"{', '.join(f'`{s}`' for s in stage.sections)} | "
+                    f"{', '.join(f'`{s}`' for s in (*stage.sections, *stage.params))} | "
                     f"{', '.join(f'`{c}`' for c in stage.code)} | {writes} |")
     return "\n".join(rows) + "\n"

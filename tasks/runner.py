@@ -81,7 +81,8 @@ def run_stage(stage: Stage, cfg: Config, parent_run_id: str | None = None, force
     parent = None if parent_run_id is None else RunTracker(client, parent_run_id)
     function = resolve(stage.function)
     with tracked_run(cfg, stage.name, parent_run_id, run_key=run_key) as run:
-        run.log_params({k: v for k, v in cfg.flat().items() if k.split(".")[0] in stage.sections})
+        run.log_params({k: v for k, v in cfg.flat().items()
+                        if k.split(".")[0] in stage.sections or k in stage.params})
         if stage.snapshot is not None and not from_snapshot:
             resolve(stage.snapshot.take)(cfg)
         result = run_cached(stage, cfg, run, parent, resolve(stage.result_type),

@@ -110,6 +110,9 @@ class Stage:
     """(cfg, run, parent) -> result: the plain stage function, run on a cache miss."""
     record: str
     """(cfg, run, parent, result) -> None: its metrics, tags and artifacts in MLflow, on every run."""
+    params: tuple[str, ...] = ()
+    """Dotted config keys of other sections it also computes from: DVC params (the key must be
+    in the params file) and part of its cache key, like its sections."""
     preflight: str | None = None
     """(cfg) -> None: checks that need no upstream output, before any work."""
     retries: str | None = None
@@ -154,7 +157,8 @@ STAGES = (
         name="data",
         summary="sources -> raw snapshot -> cleaning and dedup -> tokenizer -> packed, checksummed shards",
         sections=("data",),
-        code=("tasks/data", "model/training/shards.py"),
+        params=("model.init_from",),  # a run from a base tokenizes with the base's tokenizer
+        code=("tasks/data", "tasks/pretrained.py", "model/training/shards.py"),
         reads=(),
         output="data.out_dir",
         outputs=(Output(persist=True),),  # a rebuild of the same inputs rewrites nothing
@@ -177,7 +181,8 @@ STAGES = (
         name="train",
         summary="torchrun on the named DeviceMesh (PP x FSDP2/HSDP x TP) to a committed DCP checkpoint",
         sections=("model", "parallel", "train", "checkpoint"),
-        code=("model", "tasks/train/job.py", "tasks/train/launch.py", "tasks/train/curves.py"),
+        code=("model", "tasks/train/job.py", "tasks/train/launch.py", "tasks/train/curves.py",
+              "tasks/pretrained.py"),
         reads=(Upstream("data"),),
         output="train.out_dir",
         outputs=(Output(persist=True),),  # a rerun resumes from its checkpoints

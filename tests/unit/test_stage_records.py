@@ -77,7 +77,11 @@ def test_the_cache_key_is_the_records_inputs(tmp_path: Path) -> None:
     assert set(register["upstream"]) == {f"{cfg.data.out_dir}/tokenizer", cfg.train.out_dir,
                                          f"{cfg.eval.out_dir}/metrics.json"}
     assert register["external"]["tracking_uri"].startswith("sqlite:///")
-    assert set(stage_inputs(stage_named("data"), cfg)) == {"config", "code", "upstream", "sources"}
+    data = stage_inputs(stage_named("data"), cfg)
+    assert set(data) == {"config", "code", "upstream", "sources", "params"}
+    # The data stage also reads model.init_from (the base's tokenizer), no other model key.
+    assert stage_inputs(stage_named("data"), debug_config(tmp_path, "model.init_from=/base")) != data
+    assert stage_inputs(stage_named("data"), debug_config(tmp_path, "model.dim=128")) == data
     # Every key of a stage's sections is a param, as in dvc.yaml, where outputs go included.
     moved = debug_config(tmp_path, f"eval.out_dir={tmp_path / 'elsewhere'}")
     assert moved.section_hash("eval") != cfg.section_hash("eval")
