@@ -4,7 +4,10 @@ unscaling, clipping by the global gradient norm over every rank, and the optimiz
 steps. An update whose gradient is not finite is skipped (the LR schedule still advances, so
 step and learning rate stay in lockstep). `validation_loss` runs the same micro-steps forward
 only: through the pipeline schedule's eval, or for the V schedules, whose eval fails in torch
-2.13, stage after stage outside the schedule."""
+2.13, stage after stage outside the schedule.
+
+A batch is token ids, or a DocumentBatch (document masking): then the model parts -- every
+pipeline stage -- also take the document of each input position."""
 
 from __future__ import annotations
 
@@ -25,10 +28,12 @@ from forgeline.configs.schema import V_SCHEDULES
 from forgeline.model.parallel.pipelining import stage_ids_of_rank
 from forgeline.model.parallel.tied import TiedEmbeddingCopies
 from forgeline.model.training.amp import DynamicLossScaler
+from forgeline.model.training.loader import DocumentBatch
 from forgeline.model.training.optim import clip_grad_norm_
 
 V_SCHEDULE_CLASSES = tuple(get_schedule_class(name) for name in sorted(V_SCHEDULES))
 ACTIVATION_DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # what stages pass on
+Batch = torch.Tensor | DocumentBatch  # (B, T + 1) token ids, with their documents or without
 
 
 @dataclass
@@ -43,6 +48,22 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy of (B, T, V) logits; vocabulary-sharded DTensor logits work
     inside a loss_parallel() context."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def micro_steps(batch: Batch, n: int) -> list[Batch]:
+    """The batch cut into `n` micro-steps along the batch dimension."""
+    if isinstance(batch, DocumentBatch):
+        pieces = zip(batch.tokens.chunk(n), batch.documents.chunk(n), strict=True)
+        return [DocumentBatch(tokens, documents) for tokens, documents in pieces]
+    return list(batch.chunk(n))
+
+
+def model_inputs(micro: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The (B, T) inputs and targets of a micro-step, and the keyword arguments every model part
+    takes with them: the (B, T) documents of the input positions under document masking."""
+    if isinstance(micro, DocumentBatch):
+        return micro.tokens[:, :-1], micro.tokens[:, 1:], {"documents": micro.documents[:, :-1]}
+    return micro[:, :-1], micro[:, 1:], {}
 
 
 def scaled_loss(logits: torch.Tensor, targets: torch.Tensor, parts_per_step: int,
@@ -75,11 +96,11 @@ class TrainStep:
     scaler: DynamicLossScaler | None = None  # fp16
     tied: TiedEmbeddingCopies | None = None  # tied embeddings split over pipeline stages
 
-    def __call__(self, batch: torch.Tensor) -> StepResult:
-        """`batch`: this rank's (B, T + 1) token ids for the whole step."""
+    def __call__(self, batch: Batch) -> StepResult:
+        """`batch`: this rank's (B, T + 1) token ids for the whole step (with their documents)."""
         params = [p for part in self.parts for p in part.parameters()]
         loss_sum = torch.zeros((), device=self.device)
-        for index, micro in enumerate(batch.chunk(self.grad_accum_steps)):
+        for index, micro in enumerate(micro_steps(batch, self.grad_accum_steps)):
             self._set_gradient_sync(index == self.grad_accum_steps - 1)
             loss_sum += self._forward_backward(micro)
         if self.tied is not None:
@@ -103,14 +124,14 @@ class TrainStep:
         return StepResult(loss, grad_norm, skipped=not apply, nonfinite=nonfinite)
 
     @torch.no_grad()
-    def validation_loss(self, batches: list[torch.Tensor]) -> float:
+    def validation_loss(self, batches: list[Batch]) -> float:
         """Mean token cross-entropy of `batches` -- this rank's (B, T + 1) slices of global
         batches -- over all ranks: forward only, in the micro-steps (and pipeline microbatches)
         of a training step, so that it fits wherever training does. Every target token weighs
         the same (the batches and their chunks are of equal size)."""
         loss_sum = torch.zeros((), device=self.device)
         for batch in batches:
-            for micro in batch.to(self.device).chunk(self.grad_accum_steps):
+            for micro in micro_steps(batch.to(self.device), self.grad_accum_steps):
                 loss_sum += self._forward_backward(micro, backward=False)
         # A forward without backward leaves FSDP units gathered (the root always; under pipeline
         # parallelism all): shard them again, as a training step leaves them, so that the next
@@ -121,14 +142,15 @@ class TrainStep:
                     module.reshard()
         return self._global_mean(loss_sum / (len(batches) * self.grad_accum_steps))
 
-    def _forward_backward(self, micro: torch.Tensor, backward: bool = True) -> torch.Tensor:
+    def _forward_backward(self, micro: Batch, backward: bool = True) -> torch.Tensor:
         """The micro-step's mean loss (unscaled), after its backward (unless not `backward`)."""
-        inputs, targets = micro[:, :-1], micro[:, 1:]
+        inputs, targets, model_kwargs = model_inputs(micro)
         with self._compute_context():
             if self.schedule is not None:
-                scaled = self._pipelined(inputs, targets, backward)
+                scaled = self._pipelined(inputs, targets, model_kwargs, backward)
             else:
-                scaled = scaled_loss(self.parts[0](inputs), targets, self.grad_accum_steps, self.scaler)
+                logits = self.parts[0](inputs, **model_kwargs)
+                scaled = scaled_loss(logits, targets, self.grad_accum_steps, self.scaler)
                 if backward:
                     scaled.backward()
         if isinstance(scaled, DTensor):  # replicated loss of loss_parallel
@@ -136,22 +158,26 @@ class TrainStep:
         unscale = self.scaler.scale if self.scaler is not None else 1.0
         return scaled.detach() * self.grad_accum_steps / unscale
 
-    def _pipelined(self, inputs: torch.Tensor, targets: torch.Tensor, backward: bool = True) -> torch.Tensor:
+    def _pipelined(self, inputs: torch.Tensor, targets: torch.Tensor, model_kwargs: dict[str, torch.Tensor],
+                   backward: bool = True) -> torch.Tensor:
         """The schedule runs forward and backward of all microbatches (forward only unless
         `backward`); only the last stage sees their losses (scaled_loss of each, so their sum
-        is the micro-step's scaled loss), other stages return 0."""
+        is the micro-step's scaled loss), other stages return 0. The schedule cuts
+        `model_kwargs` into microbatches too and passes each to the stages of the rank that
+        gives them -- activations are all a stage receives -- so every rank gives them."""
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets, "losses": losses} if self.is_last_stage else {}
         args = (inputs,) if self.is_first_stage else ()
         if backward:
-            self.schedule.step(*args, **kwargs)
+            self.schedule.step(*args, **kwargs, **model_kwargs)
         elif isinstance(self.schedule, V_SCHEDULE_CLASSES):
-            return self._staged_forward(inputs, targets)
+            return self._staged_forward(inputs, targets, model_kwargs)
         else:
-            self.schedule.eval(*args, **kwargs)
+            self.schedule.eval(*args, **kwargs, **model_kwargs)
         return torch.stack(losses).sum() if self.is_last_stage else torch.zeros((), device=self.device)
 
-    def _staged_forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _staged_forward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                        model_kwargs: dict[str, torch.Tensor]) -> torch.Tensor:
         """What `_pipelined` returns, forward only and without the schedule: the whole micro-step
         goes through the stages in order, each pipeline rank running the ones it holds (in V
         placement, pipelining.py) and passing activations on to the next stage's rank. torch
@@ -166,7 +192,7 @@ class TrainStep:
         for stage, part in sorted(mine.items()):
             if stage > 0 and owner[stage - 1] != pp_rank:
                 h = self._receive_activations(owner[stage - 1])
-            h = part(h)
+            h = part(h, **model_kwargs)
             if stage < last and owner[stage + 1] != pp_rank:
                 self._send_activations(h, owner[stage + 1])
         if last not in mine:

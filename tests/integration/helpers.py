@@ -69,6 +69,16 @@ def run(cmd: list[str], workdir: Path, timeout: float = 900,
     return done
 
 
+def run_ranks(module: str, nproc: int, args: list[str], cwd: Path, timeout: float = 300) -> None:
+    """`python -m module ARGS` as `nproc` local torchrun ranks in `cwd`, one thread each (ranks
+    share the cores)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", module, *args]
+    done = subprocess.run(cmd, cwd=cwd, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-8000:]
+
+
 def prefect_flow_runs(workdir: Path) -> list[dict]:
     """Flow runs (with their task runs) recorded in the Prefect database of `workdir`."""
     script = r"""

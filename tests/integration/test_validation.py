@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +31,7 @@ from forgeline.tasks.stage import stage_named
 from forgeline.tasks.tracking import resolve_tracking_uri
 from forgeline.tasks.train.job import TrainResult, rank_config_yaml, train_model
 from tests.conftest import REPO_ROOT, debug_config
+from tests.integration.helpers import run_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -71,12 +69,8 @@ def validate_in_layout(data_root: Path, root: Path, checkpoint: str, name: str, 
     cfg = debug_config(root, f"data.out_dir={data_root / 'data'}", *BASE, *overrides)
     config_path, out = root / f"{name}.yaml", root / f"{name}.json"
     config_path.write_text(rank_config_yaml(cfg))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={cfg.parallel.world_size}", "-m", "tests.integration.test_validation",
-           "--config", str(config_path), "--checkpoint", checkpoint, "--out", str(out)]
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-8000:]
+    run_ranks("tests.integration.test_validation", cfg.parallel.world_size,
+              ["--config", str(config_path), "--checkpoint", checkpoint, "--out", str(out)], REPO_ROOT)
     return json.loads(out.read_text())
 
 
