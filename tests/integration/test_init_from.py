@@ -192,3 +192,34 @@ def test_data_of_another_tokenizer_is_refused_naming_both_hashes(data_root: Path
     sha = "[0-9a-f]{64}"
     with pytest.raises(ConfigError, match=rf"trained on the corpus \(sha256 {sha}\).*tokenizer sha256 {sha}"):
         train_model(cfg)
+
+
+def test_the_export_of_a_continued_run_loads_in_transformers_tied(single: tuple[Config, TrainResult],
+                                                                   base_dir: Path, tmp_path: Path) -> None:
+    """`forgeline checkpoints export --format hf`: transformers loads it with the base's
+    tokenizer and architecture, the matrix tied again, logits those of forgeline's checkpoint."""
+    from transformers import AutoTokenizer
+
+    from forgeline.flows.cli import main
+    from forgeline.model.inference import load_from_checkpoint
+
+    _, result = single
+    out = tmp_path / "hf"
+    run_config = Path(result.out_dir) / "config.yaml"  # the config the ranks ran with
+    assert main(["checkpoints", "export", "4", "--format", "hf", "--out", str(out),
+                 "--config", str(run_config)]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    assert exported.config.tie_word_embeddings
+    assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "vocab_size", "rms_norm_eps"):
+        assert getattr(exported.config, key) == getattr(base.config, key), key
+    assert exported.config.rope_parameters["rope_theta"] == base.config.rope_parameters["rope_theta"]
+    text = "Now is the winter of our discontent, made glorious summer by this sun of York."
+    ids = AutoTokenizer.from_pretrained(out)(text, return_tensors="pt").input_ids
+    assert ids[0].tolist() == AutoTokenizer.from_pretrained(base_dir)(text).input_ids
+    with torch.no_grad():
+        ours = load_from_checkpoint(result.checkpoint)(ids)
+        assert (exported(ids).logits - ours).abs().max().item() <= 1e-4
+        assert (exported(ids).logits - base(ids).logits).abs().max().item() > 1e-3  # it trained
