@@ -29,6 +29,7 @@ from pathlib import Path
 import mlflow
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
+from pydantic import ValidationError
 from transformers import AutoConfig
 
 from forgeline.configs.schema import Config, ConfigError, ModelConfig
@@ -194,8 +195,9 @@ def with_base(cfg: Config, base: Base) -> Config:
     raw["model"] = cfg.model.with_base_shape(base.shape).model_dump()
     try:
         return Config.model_validate(raw)
-    except ValueError as err:
-        raise ConfigError(f"with the shape of the base {base.uri}: {err}") from None
+    except ValidationError as err:
+        problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+        raise ConfigError(f"with the shape of the base {base.uri}: {problems}") from None
 
 
 def check_data_tokenizer(base: Base, manifest: dict, data_dir: Path) -> None:
