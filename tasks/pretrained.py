@@ -7,7 +7,7 @@ its weights on local disk, its shape, its tokenizer and the sha256 of its weight
                                         ~/.cache/forgeline/bases) by the file's sha256
     a forgeline checkpoint              a committed step-* directory; its run's tokenizer
     models:/NAME@ALIAS, models:/NAME/V  the registered version's Hugging Face export, downloaded
-                                        once into the cache by name and version
+                                        once into the cache by registry, name and version
     org/name                            the Hugging Face hub, only where it is switched on
 
 Everything that can be wrong with a base -- an unreadable or missing file, an architecture
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
+import yaml
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from pydantic import ValidationError
@@ -161,18 +162,31 @@ def registry_base(cfg: Config, name: str, alias: str | None, version: str | None
         which = f"alias @{alias}" if alias else f"version {version}"
         raise ConfigError(f"model.init_from={cfg.model.init_from}: registered model {name!r} has no {which} "
                           f"in the registry at {tracking_uri} ({err.message.splitlines()[0]})") from None
-    directory = cache_dir() / "models" / name / found.version
+    version = str(found.version)
+    registry = hashlib.sha256(tracking_uri.encode()).hexdigest()[:12]  # NAME/VERSION is unique per registry
+    directory = cache_dir() / "models" / registry / name / version
     if not (directory / "config.json").is_file():
         directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{found.version}.tmp-", dir=directory.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{version}.tmp-", dir=directory.parent))
         try:
-            mlflow.set_tracking_uri(tracking_uri)
-            model_dir = Path(mlflow.artifacts.download_artifacts(f"models:/{name}/{found.version}",
-                                                                 dst_path=str(tmp)))
-            os.replace(model_dir / "artifacts" / "hf", directory)
+            model_dir = Path(mlflow.artifacts.download_artifacts(
+                f"models:/{name}/{version}", dst_path=str(tmp), tracking_uri=tracking_uri,
+                registry_uri=tracking_uri))
+            os.replace(model_dir / pyfunc_artifact(model_dir, "hf"), directory)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return directory, f"{name}/{found.version}"
+    return directory, f"{name}/{version}"
+
+
+def pyfunc_artifact(model_dir: Path, key: str) -> str:
+    """Where a pyfunc model keeps its artifact `key`, relative to the model directory (MLmodel
+    lists it; the directory's own name is kept under artifacts/)."""
+    mlmodel = yaml.safe_load((model_dir / "MLmodel").read_text())
+    artifacts = mlmodel["flavors"]["python_function"].get("artifacts", {})
+    if key not in artifacts:
+        raise ConfigError(f"{model_dir} is not a forgeline registered model: its pyfunc has no {key!r} "
+                          f"artifact (has {sorted(artifacts)})")
+    return artifacts[key]["path"]
 
 
 def hub_base(repo_id: str) -> Path:

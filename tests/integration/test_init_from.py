@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import mlflow
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,8 @@ from forgeline.model.fileio import sha256_file
 from forgeline.model.training.loader import ShardedSampleLoader
 from forgeline.model.training.shards import read_manifest, split_shards
 from forgeline.tasks.data.build import build_dataset
+from forgeline.tasks.pretrained import CACHE_ENV
+from forgeline.tasks.register import HFGenerator
 from forgeline.tasks.runner import run_stage
 from forgeline.tasks.stage import stage_named
 from forgeline.tasks.tracking import resolve_tracking_uri
@@ -129,20 +132,27 @@ def test_data_is_tokenized_with_the_base_tokenizer(root: Path, base_dir: Path) -
     assert tokenizer["source_sha256"] == sha256_file(base_dir / "tokenizer.json")
 
 
+def assert_step0_parity(layout: str, ours: tuple[float, float], theirs: tuple[float, float]) -> None:
+    """Loss within 1e-5 and gradient norm within 1e-4 of transformers', relative; the observed
+    differences printed (`pytest -s`) for the README."""
+    (loss, norm), (hf_loss, hf_norm) = ours, theirs
+    print(f"step-0 parity {layout}: loss {loss:.7f} vs {hf_loss:.7f} (rel {abs(loss / hf_loss - 1):.1e}), "
+          f"grad norm {norm:.6f} vs {hf_norm:.6f} (rel {abs(norm / hf_norm - 1):.1e})")
+    assert loss == pytest.approx(hf_loss, rel=1e-5)
+    assert norm == pytest.approx(hf_norm, rel=1e-4)
+
+
 def test_first_step_matches_transformers_in_one_process(single: tuple[Config, TrainResult],
                                                         transformers_step0: tuple[float, float]) -> None:
-    loss, norm = first_step_metrics(*single)
-    assert loss == pytest.approx(transformers_step0[0], rel=1e-5)
-    assert norm == pytest.approx(transformers_step0[1], rel=1e-4)
+    assert_step0_parity("single", first_step_metrics(*single), transformers_step0)
 
 
 @pytest.mark.parametrize("name", [*LAYOUTS, *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW_LAYOUTS)])
 def test_first_step_matches_transformers_in_layout(name: str, root: Path, base_dir: Path,
                                                    transformers_step0: tuple[float, float]) -> None:
     cfg = config(root, base_dir, name, "train.steps=1", *(LAYOUTS | SLOW_LAYOUTS)[name])
-    loss, norm = first_step_metrics(cfg, run_stage(stage_named("train"), cfg))
-    assert loss == pytest.approx(transformers_step0[0], rel=1e-5)
-    assert norm == pytest.approx(transformers_step0[1], rel=1e-4)
+    result = run_stage(stage_named("train"), cfg)
+    assert_step0_parity(name, first_step_metrics(cfg, result), transformers_step0)
 
 
 def test_the_checkpoints_and_mlflow_record_the_base(single: tuple[Config, TrainResult],
@@ -223,3 +233,24 @@ def test_the_export_of_a_continued_run_loads_in_transformers_tied(single: tuple[
         ours = load_from_checkpoint(result.checkpoint)(ids)
         assert (exported(ids).logits - ours).abs().max().item() <= 1e-4
         assert (exported(ids).logits - base(ids).logits).abs().max().item() > 1e-3  # it trained
+
+
+@pytest.mark.slow
+def test_a_registered_version_is_a_base_with_its_version_as_lineage(base_dir: Path, root: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The small base registered as register.py registers a model (its Hugging Face directory as
+    the pyfunc's `hf` artifact), then trained from as models:/NAME@ALIAS."""
+    monkeypatch.setenv(CACHE_ENV, str(root / "cache"))
+    cfg = config(root, "models:/tiny-base@champion", "from-registry", "train.steps=1")
+    mlflow.set_tracking_uri(resolve_tracking_uri(cfg))
+    with mlflow.start_run():
+        info = mlflow.pyfunc.log_model(name="model", python_model=HFGenerator(),
+                                       artifacts={"hf": str(base_dir)}, pip_requirements=["torch"],
+                                       registered_model_name="tiny-base")
+    MlflowClient().set_registered_model_alias("tiny-base", "champion", info.registered_model_version)
+    result = run_stage(stage_named("train"), cfg)
+    version = f"tiny-base/{info.registered_model_version}"
+    assert result.base["model_version"] == version and result.base["uri"] == "models:/tiny-base@champion"
+    assert Path(result.base["path"]).is_relative_to(root / "cache" / "bases" / "models")
+    assert train_run(cfg, result).data.tags["forgeline.parent_model_version"] == version
+
