@@ -254,3 +254,22 @@ def test_a_registered_version_is_a_base_with_its_version_as_lineage(base_dir: Pa
     assert Path(result.base["path"]).is_relative_to(root / "cache" / "bases" / "models")
     assert train_run(cfg, result).data.tags["forgeline.parent_model_version"] == version
 
+
+
+def test_a_forgeline_checkpoint_is_a_base(single: tuple[Config, TrainResult], root: Path) -> None:
+    """A committed step directory of another run: its weights (DCP, each rank its shards), its shape
+    and the tokenizer of the data it was trained on. The first loss is the checkpoint's own on the
+    first batch."""
+    from forgeline.model.inference import load_from_checkpoint
+
+    _, trained = single
+    cfg = config(root, Path(trained.checkpoint), "from-checkpoint", "train.steps=1", "parallel.pp=2")
+    result = run_stage(stage_named("train"), cfg)
+    assert result.base["uri"] == trained.checkpoint and result.base["path"] == trained.checkpoint
+    data_dir = Path(cfg.data.out_dir)
+    batch = ShardedSampleLoader(split_shards(data_dir, read_manifest(data_dir), "train"),
+                                cfg.train.global_batch_size, 0, 1, cfg.train.seed).next_batch()
+    with torch.no_grad():
+        logits = load_from_checkpoint(trained.checkpoint)(batch[:, :-1])
+    expected = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+    assert first_step_metrics(cfg, result)[0] == pytest.approx(expected, rel=1e-5)
