@@ -45,11 +45,12 @@ def smollm2():
 
 def test_imported_smollm2_matches_transformers(smollm2) -> None:
     hf_model, tokenizer = smollm2
-    assert hf_model.config.tie_word_embeddings  # the import has to untie them
+    assert hf_model.config.tie_word_embeddings  # and stay tied in forgeline
     start = time.perf_counter()
     model, args = import_hf(hf_model)
     log.info("imported into forgeline in %.2f s", time.perf_counter() - start)
     assert (args.vocab_size, args.dim, args.n_layers, args.n_heads, args.n_kv_heads) == (49152, 576, 30, 9, 3)
+    assert args.tie_embeddings and model.output.weight is model.tok_embeddings.weight
     ids = torch.tensor([tokenizer.encode(SENTENCE)])  # (1, T)
     with torch.no_grad():
         expected, actual = hf_model(ids).logits, model(ids)
@@ -75,7 +76,7 @@ def test_imported_smollm2_exports_back(smollm2, tmp_path: Path) -> None:
     tokenizer.save_pretrained(tmp_path / "tokenizer")
     out = export_hf(model, tmp_path / "tokenizer", tmp_path / "hf")
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert not reloaded.config.tie_word_embeddings
+    assert reloaded.config.tie_word_embeddings  # written once, tied again on load
     ids = torch.tensor([tokenizer.encode(SENTENCE)])
     with torch.no_grad():
         diff = (reloaded(ids).logits - hf_model(ids).logits).abs().max().item()
