@@ -776,6 +776,12 @@ class Config(Section):
                 f"data.seq_len={self.data.seq_len}"
             )
 
+    @property
+    def masks_documents(self) -> bool:
+        """`train.document_masking` resolved: `auto` is on for a run from a pretrained base."""
+        setting = self.train.document_masking
+        return self.model.init_from is not None if setting == "auto" else setting
+
     def section_hash(self, *sections: str) -> str:
         """Stable sha256 of the named sections (all when none are named), every key: what
         `dvc repro` compares as the params of a stage that lists these sections."""
@@ -836,13 +842,24 @@ OPERATIONAL_TRAIN_FIELDS = frozenset({"out_dir", "log_every", "max_restarts", "j
                                       "val_every", "val_batches"})
 
 
+LATER_KEYS = {"model": {"init_from": None, "tie_embeddings": False, "rope_layout": "interleaved"},
+              "train": {"document_masking": False}}
+
+
 def resume_fingerprint(cfg: Config, data_manifest_sha256: str, base_sha256: str | None = None) -> str:
     """What a checkpoint must match to be resumed: the model, the training recipe and the
     exact data -- and the weights of the base it started from, if any. The parallel layout is
     not part of it (checkpoints reshard on load), nor the vocabulary size (the data's)."""
     train = cfg.train.model_dump(mode="json", exclude=set(OPERATIONAL_TRAIN_FIELDS))
-    payload = {"model": cfg.model.model_dump(mode="json", exclude={"vocab_size"}), "train": train,
-               "data": data_manifest_sha256}
+    model = cfg.model.model_dump(mode="json", exclude={"vocab_size"})
+    train["document_masking"] = cfg.masks_documents  # `auto` resolved: what it computes
+    # Keys added after checkpoints existed, left out at the value that means what those
+    # checkpoints were trained with: an upgrade keeps them resumable.
+    for section, values in (("model", model), ("train", train)):
+        for key, unchanged in LATER_KEYS[section].items():
+            if values[key] == unchanged:
+                del values[key]
+    payload = {"model": model, "train": train, "data": data_manifest_sha256}
     if base_sha256 is not None:
         payload["base"] = base_sha256
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

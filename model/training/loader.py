@@ -9,7 +9,7 @@ consumed.
 
 With `document_starts` it also reads each sample's document starts (shards.py STARTS_FIELD) and
 yields a DocumentBatch: the tokens and the document each token belongs to, for document masking
-(`train.document_masking`, resolved by `document_masking`).
+(`train.document_masking`, resolved by `Config.masks_documents`).
 
 Validation (`train.val_every`) reads the validation split with the same loader under a fixed
 seed: its first `train.val_batches` global batches, the same for every run and layout.
@@ -26,7 +26,6 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders
 
-from forgeline.configs.schema import Config
 from forgeline.model.training.shards import (
     SAMPLE_FIELD,
     STARTS_FIELD,
@@ -38,17 +37,6 @@ from forgeline.model.training.shards import (
 )
 
 Rows = tuple[np.ndarray, np.ndarray | None]  # a shard's (or batch's) tokens, and documents or None
-
-
-def starts_from_base(cfg: Config) -> bool:
-    """The run's weights start from a pretrained base rather than a random init."""
-    return cfg.model.init_from is not None
-
-
-def document_masking(cfg: Config) -> bool:
-    """`train.document_masking` resolved: `auto` is on for a run from a pretrained base."""
-    setting = cfg.train.document_masking
-    return starts_from_base(cfg) if setting == "auto" else setting
 
 
 @dataclass

@@ -48,7 +48,7 @@ from forgeline.model.training.callbacks import (
     load_callback,
     unstable_report,
 )
-from forgeline.model.training.loader import ShardedSampleLoader, document_masking
+from forgeline.model.training.loader import ShardedSampleLoader
 from forgeline.model.training.loop import Trainer, TrainerState
 from forgeline.model.training.metrics import MetricsLogger, measure_peak_flops
 from forgeline.model.training.optim import build_lr_scheduler, build_optimizer
@@ -142,7 +142,7 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
         dp_rank=dp_mesh.get_local_rank(),
         dp_size=layout.dp,
         seed=cfg.train.seed,
-        document_starts=document_masking(cfg),
+        document_starts=cfg.masks_documents,
     )
     trainer_state = TrainerState(train_step.schedulers, loader, train_step.scaler)
     state = {"model": ModelState(train_step.parts),

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from forgeline.configs import load_config
 from forgeline.configs.schema import ModelConfig
 from forgeline.model.llama import Transformer
-from forgeline.model.training.loader import DocumentBatch, ShardedSampleLoader, document_masking
+from forgeline.model.training.loader import DocumentBatch, ShardedSampleLoader
 from forgeline.model.training.shards import ShardInfo, write_shard
 from forgeline.model.training.step import TrainStep
 
@@ -134,4 +134,4 @@ def test_a_train_step_over_micro_steps_follows_the_separate_documents(process_gr
     (["train.document_masking=true"], True),
 ])
 def test_auto_is_on_for_runs_from_a_base(overrides: list[str], expected: bool) -> None:
-    assert document_masking(load_config("debug.yaml", overrides)) is expected
+    assert load_config("debug.yaml", overrides).masks_documents is expected

@@ -215,3 +215,25 @@ def test_changing_validation_keeps_the_checkpoints_resumable() -> None:
     assert resume_fingerprint(Config().with_values({"train.val_every": 0, "train.val_batches": 3}),
                               "data") == fingerprint
     assert resume_fingerprint(Config().with_values({"train.lr": 1e-5}), "data") != fingerprint
+
+
+def test_checkpoints_from_before_the_later_keys_stay_resumable() -> None:
+    """The fingerprint the code before tie_embeddings, rope_layout, init_from, document_masking
+    and validation computed for a config: equal, so an upgrade resumes instead of retraining."""
+    import hashlib
+    import json
+
+    from forgeline.configs.schema import OPERATIONAL_TRAIN_FIELDS
+
+    cfg = Config()
+    before = {"model": cfg.model.model_dump(mode="json", exclude={"vocab_size", "init_from", "tie_embeddings",
+                                                                 "rope_layout"}),
+              "train": cfg.train.model_dump(mode="json", exclude=set(OPERATIONAL_TRAIN_FIELDS) | {
+                  "document_masking"}),
+              "data": "data"}
+    expected = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
+    assert resume_fingerprint(cfg, "data") == expected
+    masked = cfg.with_values({"train.document_masking": True})
+    assert resume_fingerprint(masked, "data") != resume_fingerprint(cfg, "data")
+    assert resume_fingerprint(cfg.with_values({"model.tie_embeddings": True}), "data") != \
+        resume_fingerprint(cfg, "data")
