@@ -193,7 +193,8 @@ def hub_base(repo_id: str) -> Path:
     """A hub model's config, weights and tokenizer, where the hub is switched on."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "false", "no", ""):
         raise ConfigError(
-            f"model.init_from={repo_id} names a Hugging Face hub model, but the hub is switched off "
+            f"model.init_from={repo_id} is no local file or directory, and names a Hugging Face hub model, "
+            "but the hub is switched off "
             f"(HF_HUB_OFFLINE={os.environ['HF_HUB_OFFLINE']}; forgeline's default, so that no run downloads "
             f"at run time): download it once (`hf download {repo_id} --local-dir DIR`) and set "
             "model.init_from=DIR, or run with HF_HUB_OFFLINE=0")

@@ -99,8 +99,9 @@ def test_a_missing_path_or_tokenizer_is_named(tmp_path: Path) -> None:
 def test_a_hub_name_is_refused_while_the_hub_is_switched_off(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ConfigError, match=r"HuggingFaceTB/SmolLM2-135M names a Hugging Face hub model, "
-                                          r"but the hub is switched off \(HF_HUB_OFFLINE=1"):
+    with pytest.raises(ConfigError, match=r"HuggingFaceTB/SmolLM2-135M is no local file or directory, and "
+                                          r"names a Hugging Face hub model, but the hub is switched off "
+                                          r"\(HF_HUB_OFFLINE=1"):
         resolve_base(config_from(tmp_path, "HuggingFaceTB/SmolLM2-135M"))
 
 
