@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from mlflow import MlflowClient
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from forgeline.configs import Config
@@ -26,7 +25,7 @@ from forgeline.model.checkpoint.manager import read_checkpoint_manifest
 from forgeline.model.fileio import sha256_file
 from forgeline.model.training.loader import ShardedSampleLoader
 from forgeline.model.training.shards import read_manifest, split_shards
-from forgeline.tasks.data.build import build_dataset
+from forgeline.tasks.data.build import build_dataset, train_tokenizer
 from forgeline.tasks.pretrained import CACHE_ENV
 from forgeline.tasks.register import HFGenerator
 from forgeline.tasks.runner import run_stage
@@ -55,14 +54,9 @@ SLOW_LAYOUTS = {
 
 def save_tokenizer(directory: Path) -> int:
     """A byte-level BPE tokenizer with the debug data's EOS; its size."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(["To be, or not to be, that is the question: whether 'tis nobler in the "
-                                   "mind to suffer the slings and arrows of outrageous fortune"] * 4,
-                                  trainer=trainer)
+    texts = ["To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the "
+             "slings and arrows of outrageous fortune"] * 4
+    tokenizer = train_tokenizer(texts, 400, ["<|endoftext|>"])  # the data stage's own
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
     fast.save_pretrained(directory)
     return len(fast)

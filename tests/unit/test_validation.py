@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from pydantic import ValidationError
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -37,6 +36,7 @@ from forgeline.model.training.loop import TrainerState, ValResult
 from forgeline.model.training.metrics import MetricsLogger, bits_per_byte
 from forgeline.model.training.shards import DataError, ShardInfo, write_shard
 from forgeline.model.training.step import TrainStep
+from forgeline.tasks.data.build import train_tokenizer
 
 SEQ_LEN, VOCAB = 16, 64
 TEXT = "Wie heißt du? ¿Qué tal? 東京は晴れ。 Shall I compare thee to a summer's day? naïve café 🙂"
@@ -89,12 +89,7 @@ def test_the_number_of_batches_is_bounded_by_the_split() -> None:
 
 def test_token_bytes_add_up_to_the_utf8_bytes_of_the_text(tmp_path: Path) -> None:
     """Byte-level BPE: tokens split multi-byte characters, and still every byte counts once."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator([TEXT] * 3, trainer)
+    tokenizer = train_tokenizer([TEXT] * 3, 300, ["<|endoftext|>"])  # the data stage's own
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     lengths = token_byte_lengths(tmp_path)
     eos = tokenizer.token_to_id("<|endoftext|>")
