@@ -18,6 +18,7 @@ load_hf_weights, or a DCP load of a checkpoint's weights).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -72,6 +73,19 @@ class Base:
         return record | ({"model_version": self.model_version} if self.model_version else {})
 
 
+def unchanged_file_sha256(path: Path) -> str:
+    """sha256_file, computed once per process for a file unchanged since (same inode, size and
+    mtime): the launching process resolves a base several times before launch (data and train
+    preflight, fingerprint, lineage), and a real base's weights are hundreds of MB."""
+    stat = path.stat()
+    return _sha256_of(str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256_of(path: str, inode: int, size: int, mtime_ns: int) -> str:
+    return sha256_file(Path(path))
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "forgeline")) / "bases"
 
@@ -114,7 +128,7 @@ def hf_base(uri: str, directory: Path, model_version: str | None = None) -> Base
                           "tokenizes with the base's tokenizer; save it there with save_pretrained)")
     digest = hashlib.sha256()
     for file in hf_weight_files(directory):
-        digest.update(f"{file.name}:{sha256_file(file)}\n".encode())
+        digest.update(f"{file.name}:{unchanged_file_sha256(file)}\n".encode())
     return Base(uri, directory, shape, directory, digest.hexdigest(), model_version)
 
 
@@ -142,7 +156,7 @@ def tokenizer_of_checkpoint(uri: str, manifest: dict) -> Path:
 
 def gguf_base(gguf_file: Path) -> Path:
     """The Hugging Face directory converted from `gguf_file`, converted on first use."""
-    directory = cache_dir() / f"gguf-{sha256_file(gguf_file)[:16]}"
+    directory = cache_dir() / f"gguf-{unchanged_file_sha256(gguf_file)[:16]}"
     if not (directory / "config.json").is_file():
         convert_gguf(gguf_file, directory)
     return directory

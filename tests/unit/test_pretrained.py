@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from forgeline.configs import Config
 from forgeline.configs.schema import ConfigError
 from forgeline.model.fileio import sha256_file
+from forgeline.tasks import pretrained
 from forgeline.tasks.pretrained import check_data_tokenizer, resolve_base, with_base
 from tests.conftest import debug_config
 
@@ -131,3 +132,14 @@ def test_a_config_awaiting_its_base_defers_the_shape_checks() -> None:
     with pytest.raises(ValueError, match="parallel.tp=8 must divide"):
         Config().with_values({"parallel.tp": 8})
     assert debug_config(Path("/tmp/unused")).model.init_from is None
+
+
+def test_the_weights_are_hashed_once_until_they_change(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = config_from(tmp_path, save_base(tmp_path / "base"))
+    hashed: list[Path] = []
+    monkeypatch.setattr(pretrained, "sha256_file", lambda path: hashed.append(path) or sha256_file(path))
+    first = resolve_base(cfg).sha256
+    assert resolve_base(cfg).sha256 == first and len(hashed) == 1  # the one model.safetensors
+    LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True)).save_pretrained(tmp_path / "base")
+    assert resolve_base(cfg).sha256 != first and len(hashed) == 2
