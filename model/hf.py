@@ -30,6 +30,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -37,22 +38,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    LlamaConfig,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
 
 from forgeline.configs.schema import ModelConfig
 from forgeline.model.fileio import fsync_path
 from forgeline.model.init import canonical_name
 from forgeline.model.llama import Transformer
+
+# transformers is imported where it is used: the ranks import this module for load_hf_weights
+# alone, and transformers would add about 2 s to every rank's start (and to every restart).
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +125,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], shape: ModelConfig) -> dict[
 
 
 def hf_config(shape: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=shape.vocab_size,
         hidden_size=shape.dim,
@@ -157,6 +154,8 @@ def export_hf(model: Transformer, tokenizer_dir: str | Path, out_dir: Path) -> P
     """Write `out_dir` so that `AutoModelForCausalLM` and `AutoTokenizer` load it offline:
     config.json, generation_config.json, model.safetensors and the tokenizer files. Written to a
     temporary sibling and renamed into place; an existing non-empty `out_dir` is never touched."""
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty; remove it or export elsewhere")
@@ -238,6 +237,8 @@ def import_hf(source: str | Path | PreTrainedModel, device: torch.device | str =
         device: where the forgeline model's weights go.
         from_pretrained_kwargs: passed to `from_pretrained` for a directory, e.g. `gguf_file`.
     """
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
     if isinstance(source, PreTrainedModel):
         hf_model = source
         shape = model_shape_from_hf(hf_model.config)
@@ -302,6 +303,8 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     """A GGUF file (quantized or not) -> a Hugging Face directory: config.json, fp32
     model.safetensors and the tokenizer, dequantized by transformers (`gguf` package). Written
     to a temporary sibling and renamed into place."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     shape = model_shape_from_hf(AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name))
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -12,11 +12,13 @@ import resource
 import socket
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from mlflow import MlflowClient
-from mlflow.entities import Metric, RunTag
+
+if TYPE_CHECKING:
+    from mlflow.entities import Metric
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +58,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _mlflow_client():
+    """Imported here: only the logging rank needs mlflow, and its import adds about 1.5 s to a
+    rank's start."""
+    from mlflow import MlflowClient
+
+    return MlflowClient()
+
+
 class MetricsLogger:
     """Collective (every rank calls log_step); only global rank 0 logs."""
 
     def __init__(self, run_id: str | None, rank: int, log_every: int, total_steps: int,
                  flops_per_step: float, peak_flops: float, device: torch.device):
         self.rank = rank
-        self.client = MlflowClient() if run_id and rank == 0 else None
+        self.client = _mlflow_client() if run_id and rank == 0 else None
         self.run_id = run_id
         self.log_every = log_every
         self.total_steps = total_steps
@@ -91,6 +101,8 @@ class MetricsLogger:
             return
         if self.client is not None:
             now = int(time.time() * 1000)
+            from mlflow.entities import Metric
+
             self._buffer += [Metric(key, float(value), now, step) for key, value in metrics.items()]
         if at_interval:
             self._send()
@@ -119,6 +131,8 @@ class MetricsLogger:
         log.warning("step %d: %s", step, message)
         self._events += 1
         if self.client is not None:
+            from mlflow.entities import Metric, RunTag
+
             now = int(time.time() * 1000)
             tag = RunTag(f"forgeline.event.{self._events:04d}", f"step {step}: {message}"[:5000])
             metrics = [Metric(key, float(value), now, step) for key, value in counters.items()]

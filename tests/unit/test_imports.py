@@ -7,6 +7,7 @@ environment variable: the entry points apply forgeline's defaults explicitly."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -75,6 +76,19 @@ def test_importing_forgeline_sets_none_of_its_environment_defaults() -> None:
                            + script], env=env, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]", "importing forgeline set its environment defaults"
+
+
+def test_the_rank_program_imports_no_launcher_libraries() -> None:
+    """Every rank of every launch and restart imports the worker: transformers, mlflow and prefect
+    would add seconds to each start (the ranks load Hugging Face weights with torch's own reader;
+    only the logging rank imports mlflow, when it logs)."""
+    script = ("import json, sys\nimport forgeline.model.training.worker\n"
+              "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported = set(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert not imported & {"transformers", "mlflow", "prefect", "lm_eval", "boto3", "dvc"}
 
 
 def test_every_package_is_installed() -> None:
