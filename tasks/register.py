@@ -20,7 +20,6 @@ import mlflow
 import pandas as pd
 import torch
 from mlflow import MlflowClient
-from mlflow.exceptions import MlflowException
 from mlflow.models.signature import ModelSignature
 from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -31,7 +30,7 @@ from forgeline.model.inference import load_from_checkpoint
 from forgeline.tasks.atomic import write_text_atomic
 from forgeline.tasks.evaluate import read_eval_metrics
 from forgeline.tasks.promote import promote
-from forgeline.tasks.tracking import DATA_VERSION_TAG, RunTracker, dvc_hash, resolve_tracking_uri
+from forgeline.tasks.tracking import DATA_VERSION_TAG, RunTracker, dvc_hash
 from forgeline.tasks.train.job import read_train_summary
 
 log = logging.getLogger(__name__)
@@ -106,20 +105,6 @@ def record_registration(cfg: Config, run: RunTracker, parent: RunTracker | None,
     if parent:
         parent.set_tags({"forgeline.model_name": result.model_name,
                          "forgeline.model_version": result.version})
-
-
-def registry_input(cfg: Config) -> dict[str, str]:
-    """The registry a version was written to is part of what registering did (DVC does not see it)."""
-    return {"tracking_uri": resolve_tracking_uri(cfg)}
-
-
-def version_still_registered(cfg: Config, result: dict[str, Any]) -> str | None:
-    """Why an earlier registration no longer holds: its model version is gone."""
-    try:
-        MlflowClient(resolve_tracking_uri(cfg)).get_model_version(result["model_name"], result["version"])
-    except MlflowException:
-        return f"model version {result['model_name']}/{result['version']} is gone from the registry"
-    return None
 
 
 def register_model(cfg: Config, run: RunTracker, checkpoint: str, tokenizer_dir: str,

@@ -225,8 +225,8 @@ STAGES = (
         result_type="forgeline.tasks.register:RegisterResult",
         function="forgeline.tasks.register:register_stage",
         record="forgeline.tasks.register:record_registration",
-        external="forgeline.tasks.register:registry_input",
-        still_valid="forgeline.tasks.register:version_still_registered",
+        external="forgeline.tasks.tracking:registry_input",
+        still_valid="forgeline.tasks.tracking:version_still_registered",
     ),
 )
 STAGE_NAMES = tuple(stage.name for stage in STAGES)

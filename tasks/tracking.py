@@ -238,3 +238,19 @@ def dvc_hash(path: str | Path) -> str:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def registry_input(cfg: Config) -> dict[str, str]:
+    """The register stage's input DVC does not see: the registry a version was written to is part of
+    what registering did. (Here, not in register.py: `forgeline status` decides every stage's cache
+    without importing what the stages run.)"""
+    return {"tracking_uri": resolve_tracking_uri(cfg)}
+
+
+def version_still_registered(cfg: Config, result: dict[str, Any]) -> str | None:
+    """Why an earlier registration no longer holds: its model version is gone."""
+    try:
+        MlflowClient(resolve_tracking_uri(cfg)).get_model_version(result["model_name"], result["version"])
+    except MlflowException:
+        return f"model version {result['model_name']}/{result['version']} is gone from the registry"
+    return None
