@@ -9,16 +9,12 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from tests.integration.helpers import VENV_BIN, free_port, serving, user_env
+from tests.integration.helpers import free_port, running_prefect_server
 
 
 @pytest.fixture
 def prefect_server(tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    cmd = [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port),
-           "--no-ui", "--analytics-off"]
-    with serving(cmd, user_env(tmp_path), tmp_path / "prefect-server.log", f"{url}/health"):
+    with running_prefect_server(tmp_path) as url:
         yield url
 
 

@@ -97,3 +97,14 @@ print(json.dumps(out))
 """
     done = run([sys.executable, "-c", "import forgeline.flows\n" + script], workdir, timeout=300)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@contextmanager
+def running_prefect_server(root: Path) -> Iterator[str]:
+    """`prefect server start` on 127.0.0.1 with its database under `root`; its API URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    cmd = [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port),
+           "--no-ui", "--analytics-off"]
+    with serving(cmd, user_env(root), root / "prefect-server.log", f"{url}/health"):
+        yield url

@@ -8,6 +8,8 @@ eval rerun whose scores do not move -- reruns the same stages in both. The data 
 the raw snapshot is rewritten, and the data rebuilt, only when a raw input changed, and the shards
 a forced rerun writes are byte-identical.
 
+The stages DVC runs report to one real Prefect server for the module (PREFECT_API_URL), as on a
+team's machine, instead of each starting a temporary one (test_pipeline_e2e.py runs that way).
 The `forgeline` that DVC runs is the copy's own code (`PYTHONPATH` to a `forgeline` package made
 of the copy's folders), so a change to a source file there is one that DVC hashes and forgeline
 runs and hashes alike."""
@@ -18,6 +20,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,7 +32,7 @@ from forgeline.tasks.stage import STAGE_NAMES
 from forgeline.tasks.tracking import dvc_hash
 from tests.conftest import REPO_ROOT
 from tests.integration.conftest import make_bucket
-from tests.integration.helpers import VENV_BIN, run
+from tests.integration.helpers import VENV_BIN, run, running_prefect_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 
@@ -37,6 +40,15 @@ DVC = str(VENV_BIN / "dvc")
 
 
 LAYERS = ("configs", "model", "eval", "tasks", "flows")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`prefect server start` on 127.0.0.1, named by PREFECT_API_URL to every process started here."""
+    root = tmp_path_factory.mktemp("prefect")
+    with pytest.MonkeyPatch.context() as env, running_prefect_server(root) as url:
+        env.setenv("PREFECT_API_URL", url)
+        yield url
 
 
 def fresh_repo(root: Path) -> Path:
