@@ -38,8 +38,6 @@ LAYOUTS = {
                           "parallel.pp_stages_per_rank=2"],
 }
 SLOW_LAYOUTS = {
-    "pp2-Interleaved1F1B": ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B",
-                            "parallel.pp_stages_per_rank=2"],
     "pp2xtp2-selective-ac": ["parallel.pp=2", "parallel.tp=2", "parallel.activation_checkpoint=selective"],
     "pp2-compile-full-ac": ["parallel.pp=2", "parallel.compile=true", "parallel.activation_checkpoint=full"],
 }

@@ -5,7 +5,7 @@ a small random `LlamaForCausalLM` with tied embeddings, made here and saved as a
 Step-0 parity: on the same first global batch, the train stage's first loss equals the loss
 transformers computes for the base (fp32, 1e-5 relative) and its gradient norm (before
 clipping) transformers' (1e-4 relative) -- in one process and in the layouts below, each rank
-loading only its shards. The SmolLM2-sized figures are in test_hf_smollm2.py."""
+loading only its shards. The SmolLM2-sized figures are in test_init_from_smollm2.py."""
 
 from __future__ import annotations
 
@@ -45,9 +45,8 @@ LAYOUTS = {
     "tp2": ["parallel.tp=2"],  # sequence and loss parallel: the tied matrix sharded by vocabulary row
     "pp2": ["parallel.pp=2"],  # the tied matrix's two copies on two ranks
 }
+# dp2 and pp2 x dp2: test_init_from_smollm2.py, on the real model.
 SLOW_LAYOUTS = {
-    "dp2": ["parallel.dp_shard=2"],
-    "pp2xdp2": ["parallel.pp=2", "parallel.dp_shard=2"],
     "hsdp2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
 }
 

@@ -47,10 +47,7 @@ LAYOUTS = {
                           "parallel.pp_stages_per_rank=2"],
 }
 SLOW_LAYOUTS = {
-    "hsdp2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
     "pp2xdp2-accum2": ["parallel.pp=2", "parallel.dp_shard=2", "train.grad_accum_steps=2"],
-    "pp2-Interleaved1F1B": ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B",
-                            "parallel.pp_stages_per_rank=2"],
     "pp2xdp2xtp2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"],
 }
 
@@ -93,11 +90,10 @@ def metric_history(cfg: Config, checkpoint: str, key: str) -> list[tuple[int, fl
 
 @pytest.mark.parametrize("layout", [
     pytest.param(["parallel.pp=2"], id="pp2-1F1B"),  # validation switches the schedule to eval and back
-    # FSDP units left gathered by a forward without backward are sharded again.
-    pytest.param(["parallel.pp=2", "parallel.dp_shard=2"], id="pp2xdp2-1F1B", marks=pytest.mark.slow),
+    # FSDP units left gathered by a forward without backward are sharded again; stage after stage.
     pytest.param(["model.n_layers=4", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble",
                   "parallel.pp_stages_per_rank=2", "parallel.dp_shard=2"],
-                 id="pp2xdp2-ZBV", marks=pytest.mark.slow),  # stage after stage
+                 id="pp2xdp2-ZBV", marks=pytest.mark.slow),
 ])
 def test_training_is_bit_identical_with_validation_on_or_off(layout: list[str], data_root: Path,
                                                               tmp_path: Path) -> None:
