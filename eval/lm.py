@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import lm_eval.models  # noqa: F401  (registers lm-eval's own model names: see @register_model below)
 import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
@@ -166,6 +167,8 @@ def usable_device(requested: str) -> str:
     return requested
 
 
+# lm-eval fills its model registry with its own names (hf, vllm, ...) only when the registry is
+# empty; lm_eval.models, imported above, fills it first, so ours joins them rather than hiding them.
 @register_model("forgeline")
 class ForgelineLM(TemplateLM):
     def __init__(self, tokenizer: str, checkpoint: str | None = None, bundle: str | None = None,

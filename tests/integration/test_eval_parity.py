@@ -67,15 +67,23 @@ def test_forgeline_and_hf_backends_agree_item_by_item(exported: Path, data_root:
         assert numbers(ours["results"][task]) == pytest.approx(numbers(theirs["results"][task]), rel=1e-5)
 
 
-def test_lm_evals_own_command_line_runs_the_forgeline_class(exported: Path, data_root: Path,
-                                                             tmp_path: Path) -> None:
+def test_lm_evals_own_command_line_runs_the_forgeline_class_beside_its_own(exported: Path, data_root: Path,
+                                                                          tmp_path: Path) -> None:
+    """`forgeline lm-eval` adds the `forgeline` model class to lm-eval's own (`hf` here): one
+    command line scores the same exported model with either backend, alike."""
     suite = render_suite(tmp_path / "tasks", data_root / "data")
-    subprocess.run([sys.executable, "-m", "forgeline.flows.cli", "lm-eval", "run", "--model", "forgeline",
-                    "--model_args", f"hf={exported},tokenizer={exported}", "--batch_size", "4",
-                    "--tasks", "forgeline_arc_easy", "--include_path", str(suite), "--limit", "5",
-                    "--output_path", str(tmp_path / "out")], check=True, cwd=tmp_path, timeout=600)
-    (results_file,) = (tmp_path / "out").rglob("results_*.json")
-    results = json.loads(results_file.read_text())
-    assert results["config"]["model"] == "forgeline"
-    assert results["n-samples"]["forgeline_arc_easy"]["effective"] == 5
-    assert 0 <= results["results"]["forgeline_arc_easy"]["acc_norm,none"] <= 1
+    scores = {}
+    for model, model_args in (("forgeline", f"hf={exported},tokenizer={exported}"),
+                              ("hf", f"pretrained={exported},dtype=float32")):
+        out = tmp_path / model
+        subprocess.run([sys.executable, "-m", "forgeline.flows.cli", "lm-eval", "run", "--model", model,
+                        "--model_args", model_args, "--device", "cpu", "--batch_size", "4",
+                        "--tasks", "forgeline_arc_easy", "--include_path", str(suite), "--limit", "5",
+                        "--output_path", str(out)],
+                       check=True, cwd=tmp_path, timeout=600)
+        (results_file,) = out.rglob("results_*.json")
+        results = json.loads(results_file.read_text())
+        assert results["config"]["model"] == model
+        assert results["n-samples"]["forgeline_arc_easy"]["effective"] == 5
+        scores[model] = results["results"]["forgeline_arc_easy"]["acc_norm,none"]
+    assert scores["forgeline"] == pytest.approx(scores["hf"]) and 0 <= scores["hf"] <= 1
