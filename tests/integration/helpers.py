@@ -50,7 +50,11 @@ def serving(cmd: list[str], env: dict[str, str], log_path: Path, health_url: str
             yield process
         finally:
             os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=60)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # a Prefect worker can outlive SIGTERM, polling a stopped API
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=30)
 
 
 def _healthy(url: str) -> bool:
