@@ -36,9 +36,11 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# Tests that take more than ~30 s each (e.g. `dvc repro` of the data stage twice).
+# Tests that take more than ~30 s each (e.g. `dvc repro` of the data stage twice). Two files at
+# a time (a file's module fixtures stay in one process): most of their time is one process
+# (a single-rank stage, a server, a browser) waiting on another, so two share the cores well.
 test-slow: install
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadfile
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not integration and not e2e"
