@@ -100,9 +100,9 @@ class MetricsLogger:
         if self.rank != 0:
             return
         if self.client is not None:
-            now = int(time.time() * 1000)
             from mlflow.entities import Metric
 
+            now = int(time.time() * 1000)
             self._buffer += [Metric(key, float(value), now, step) for key, value in metrics.items()]
         if at_interval:
             self._send()
