@@ -264,8 +264,9 @@ class ModelConfig(Section):
     init_from: str | None = None
     """Start training from pretrained weights instead of a random init: a Hugging Face Llama
     directory (config.json and *.safetensors), a `.gguf` file (dequantized by transformers once,
-    then cached as safetensors), a forgeline checkpoint (a committed `step-*` directory), a
-    registered model version (`models:/NAME@ALIAS`, `models:/NAME/VERSION`), or a Hugging Face hub
+    then cached as safetensors), a forgeline checkpoint (a committed `step-*` directory), a file
+    or directory inside an installed Python package (`package:PACKAGE/PATH`), a registered model
+    version (`models:/NAME@ALIAS`, `models:/NAME/VERSION`), or a Hugging Face hub
     name (`org/name`; only when the hub is reachable and not switched off by HF_HUB_OFFLINE). The
     shape, vocabulary and tokenizer come from the base: a shape key set here must equal the
     base's, and the data stage tokenizes with the base's tokenizer unless data.tokenizer_path is

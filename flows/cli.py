@@ -268,9 +268,11 @@ def run_pipeline(args: argparse.Namespace) -> int:
     print(f"MLflow run: {result.run_id}")
     print(f"Registered model: {result.model_name} version {result.model_version}")
     print(f"Promotion: {result.promotion}")
-    print(f"Eval (chance-normalized, 0 = chance, 1 = best): overall {result.overall:.3f}")
+    base = result.base_dimensions or {}
+    print(f"Eval (chance-normalized, 0 = chance, 1 = best): overall {result.overall:.3f}"
+          + (f" (its base {result.base_overall:.3f})" if base else ""))
     for name, score in result.dimensions.items():
-        print(f"  {name}: {score:.3f}")
+        print(f"  {name}: {score:.3f}" + (f" (base {base[name]:.3f})" if base else ""))
     return 0
 
 

