@@ -75,3 +75,11 @@ def test_loss_scaler_backs_off_on_overflow_and_grows_after_clean_steps(tmp_path)
     scaler.update(found_inf=False)
     scaler.update(found_inf=False)
     assert scaler.scale == 8.0 and scaler.state_dict() == {"scale": 8.0, "good_steps": 0}
+
+
+def test_the_optimizer_is_fused_where_torch_has_the_kernel() -> None:
+    """On the CPU torch defaults to its per-tensor AdamW loop; the fused kernel is 5x faster on
+    SmolLM2's 135M parameters (bench/cpt.py)."""
+    model = Transformer(ModelConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=8))
+    optimizer = build_optimizer(model, load_config("debug.yaml").train)
+    assert optimizer.defaults["fused"] is True
