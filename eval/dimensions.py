@@ -48,6 +48,11 @@ class TaskScore:
     """lm-eval's standard task for the same benchmark, prompts and metric, reading its data from
     the Hugging Face Hub (eval.task_source=hub); None where there is none or it cannot run here
     (lm-eval's code tasks score with a metric fetched from the Hub)."""
+    aggregation: str = "mean"
+    """How the task's per-item values make its value (eval/scores.py AGGREGATIONS): `mean` of
+    per-item floats, `bits_per_byte` of (log-likelihood, bytes) pairs, `icat` of StereoSet's
+    (ss, lms) triples. Its standard error: closed form for a mean, a bootstrap over the items
+    otherwise."""
 
 
 # The tasks of each dimension, keyed by the names the config defines (configs/schema.py: Dimension).
@@ -75,11 +80,11 @@ DIMENSION_TASKS: dict[str, tuple[TaskScore, ...]] = {
         TaskScore("forgeline_mbpp", "pass_at_1", chance=0.0, best=1.0),
     ),
     "safety": (
-        TaskScore("forgeline_stereoset", "icat", chance=0.5, best=1.0),
+        TaskScore("forgeline_stereoset", "icat", chance=0.5, best=1.0, aggregation="icat"),
         TaskScore("forgeline_donotanswer", "refusal_rate", chance=0.0, best=1.0),
     ),
     "language_modeling": (
-        TaskScore("forgeline_heldout", "bits_per_byte", chance=8.0, best=0.0),
+        TaskScore("forgeline_heldout", "bits_per_byte", chance=8.0, best=0.0, aggregation="bits_per_byte"),
         TaskScore("forgeline_lambada", "acc", chance=0.0, best=1.0, hub_task="lambada_openai"),
     ),
 }

@@ -1,12 +1,74 @@
 """Scores from lm-eval results: its metrics flattened to `task/metric` names, each task's value
-chance-normalized, averaged per capability dimension and overall. Shared by the eval stage and
-the in-training evaluation."""
+chance-normalized, averaged per capability dimension and overall, with standard errors from the
+per-item values. Shared by the eval stage and the in-training evaluation.
+
+Uncertainty: a task's standard error is the closed form std / sqrt(n) for a mean (lm-eval's
+own), and a seeded bootstrap over its items for the other aggregations (bits per byte, ICAT).
+Normalizing divides it by |best - chance|; a dimension's is sqrt(sum of its tasks' squared
+errors) / tasks and the overall one sqrt(sum of the dimensions' squared errors) / dimensions --
+tasks draw on different items, so their errors are taken as independent. A 95 % interval is
+the score +- 1.96 standard errors.
+"""
 
 from __future__ import annotations
 
 import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from lm_eval.api.metrics import bits_per_byte
 
 from forgeline.eval.dimensions import TaskScore
+from forgeline.eval.tasks.forgeline_safety import icat
+
+AGGREGATIONS = {"mean": statistics.fmean, "bits_per_byte": bits_per_byte, "icat": icat}
+BOOTSTRAP_ITERS = 1000
+Z95 = 1.959964
+
+
+@dataclass(frozen=True)
+class TaskItems:
+    """One task's registered metric per evaluated item."""
+
+    ids: list[str]
+    """Stable across models and runs: the first 16 hex digits of the sha256 of the document."""
+    values: list[Any]
+    """What the task's aggregation takes per item (TaskScore.aggregation)."""
+
+    @classmethod
+    def from_samples(cls, samples: list[dict], score: TaskScore) -> TaskItems:
+        """From lm-eval's logged samples of `score.task` (simple_evaluate(log_samples=True))."""
+        metric, _, filter_name = score.metric.partition("/")
+        rows = [row for row in samples if row["filter"] == (filter_name or "none")]
+        return cls(ids=[row["doc_hash"][:16] for row in rows], values=[row[metric] for row in rows])
+
+    def value(self, score: TaskScore) -> float:
+        return float(AGGREGATIONS[score.aggregation](self.values))
+
+    def stderr(self, score: TaskScore) -> float | None:
+        """None for fewer than two items."""
+        n = len(self.values)
+        if n < 2:
+            return None
+        if score.aggregation == "mean":
+            return statistics.stdev(self.values) / math.sqrt(n)
+        aggregate_values, rng = AGGREGATIONS[score.aggregation], np.random.default_rng(0)
+        draws = [aggregate_values([self.values[i] for i in rng.integers(0, n, n)])
+                 for _ in range(BOOTSTRAP_ITERS)]
+        return float(np.std(draws, ddof=1))
+
+
+def interval(score: float, stderr: float | None) -> list[float] | None:
+    return None if stderr is None else [score - Z95 * stderr, score + Z95 * stderr]
+
+
+def combined_stderr(stderrs: list[float | None]) -> float | None:
+    """Of the mean of independent estimates; None when one of them has none."""
+    if any(se is None for se in stderrs):
+        return None
+    return math.sqrt(sum(se * se for se in stderrs)) / len(stderrs)
 
 
 def flatten_scores(results: dict[str, dict]) -> dict[str, float]:
@@ -31,9 +93,12 @@ def normalized(value: float, score: TaskScore) -> float:
     return (value - score.chance) / (score.best - score.chance)
 
 
-def aggregate(raw: dict[str, float], plan: dict[str, list[TaskScore]]) -> dict:
+def aggregate(raw: dict[str, float], plan: dict[str, list[TaskScore]],
+              stderrs: dict[str, float | None] | None = None) -> dict:
     """Dimension scores (mean of their tasks' normalized values) and the overall score (mean of
-    the dimensions). A registered metric missing from the results is an error, not a zero."""
+    the dimensions); with `stderrs` (by task/metric name) each with its standard error and 95 %
+    interval. A registered metric missing from the results is an error, not a zero."""
+    stderrs = stderrs or {}
     dimensions = {}
     for name, scores in plan.items():
         tasks = {}
@@ -42,9 +107,26 @@ def aggregate(raw: dict[str, float], plan: dict[str, list[TaskScore]]) -> dict:
             if key not in raw:
                 raise KeyError(f"{key} is not among the results; the task produced: "
                                f"{sorted(k for k in raw if k.startswith(score.task + '/'))}")
-            tasks[score.task] = {"metric": score.metric, "value": raw[key],
-                                 "normalized": normalized(raw[key], score)}
-        dimensions[name] = {"score": sum(t["normalized"] for t in tasks.values()) / len(tasks),
-                            "tasks": tasks}
+            se = stderrs.get(key)
+            normalized_se = None if se is None else se / abs(score.best - score.chance)
+            tasks[score.task] = {"metric": score.metric, "value": raw[key], "stderr": se,
+                                 "normalized": normalized(raw[key], score),
+                                 "normalized_stderr": normalized_se}
+        value = sum(t["normalized"] for t in tasks.values()) / len(tasks)
+        se = combined_stderr([t["normalized_stderr"] for t in tasks.values()])
+        dimensions[name] = {"score": value, "stderr": se, "ci95": interval(value, se), "tasks": tasks}
     overall = sum(d["score"] for d in dimensions.values()) / len(dimensions)
-    return {"overall": overall, "dimensions": dimensions}
+    overall_se = combined_stderr([d["stderr"] for d in dimensions.values()])
+    return {"overall": overall, "overall_stderr": overall_se, "overall_ci95": interval(overall, overall_se),
+            "dimensions": dimensions}
+
+
+def stderr_metrics(report: dict) -> dict[str, float]:
+    """The report's standard errors as flat metrics, under `stderr/` so that no reader of
+    `dimension/*` or `overall` mistakes one for a score: `stderr/<task>/<metric>`,
+    `stderr/dimension/<name>`, `stderr/overall` (those that exist)."""
+    flat = {f"stderr/{task}/{entry['metric']}": entry["stderr"]
+            for dimension in report["dimensions"].values() for task, entry in dimension["tasks"].items()}
+    flat |= {f"stderr/dimension/{name}": entry["stderr"] for name, entry in report["dimensions"].items()}
+    flat["stderr/overall"] = report["overall_stderr"]
+    return {key: value for key, value in flat.items() if value is not None}

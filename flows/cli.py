@@ -269,10 +269,14 @@ def run_pipeline(args: argparse.Namespace) -> int:
     print(f"Registered model: {result.model_name} version {result.model_version}")
     print(f"Promotion: {result.promotion}")
     base = result.base_dimensions or {}
-    print(f"Eval (chance-normalized, 0 = chance, 1 = best): overall {result.overall:.3f}"
-          + (f" (its base {result.base_overall:.3f})" if base else ""))
+
+    def interval(key: str) -> str:  # the half-width of the 95 % interval (eval/scores.py Z95)
+        return f" ± {1.96 * result.stderrs[key]:.3f}" if key in result.stderrs else ""
+
+    print(f"Eval (chance-normalized, 0 = chance, 1 = best; ± 95 % interval): overall {result.overall:.3f}"
+          + interval("overall") + (f" (its base {result.base_overall:.3f})" if base else ""))
     for name, score in result.dimensions.items():
-        print(f"  {name}: {score:.3f}" + (f" (base {base[name]:.3f})" if base else ""))
+        print(f"  {name}: {score:.3f}" + interval(name) + (f" (base {base[name]:.3f})" if base else ""))
     return 0
 
 

@@ -3,7 +3,7 @@ flow that reproduces a recorded run."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefect import flow
 from prefect.runtime import flow_run
@@ -25,6 +25,7 @@ class PipelineResult:
     promotion: str
     overall: float
     dimensions: dict[str, float]
+    stderrs: dict[str, float] = field(default_factory=dict)  # "overall" and each dimension's
     base_overall: float | None = None  # the pretrained base's (model.init_from), on the same items
     base_dimensions: dict[str, float] | None = None
 
@@ -44,6 +45,7 @@ def pipeline_flow(config: Config | str | None = None, overrides: list[str] | Non
     return PipelineResult(run_id=parent.run_id, model_name=registered.model_name,
                           model_version=registered.version, promotion=registered.promotion,
                           overall=evaluation.overall, dimensions=evaluation.dimensions,
+                          stderrs=evaluation.stderrs,
                           base_overall=evaluation.base_overall, base_dimensions=evaluation.base_dimensions)
 
 

@@ -26,7 +26,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import lm_eval
@@ -37,7 +37,7 @@ from forgeline.configs import Config
 from forgeline.configs.schema import DimensionConfig, EvalConfig
 from forgeline.eval.dimensions import DIMENSION_TASKS, TaskScore
 from forgeline.eval.lm import ForgelineLM
-from forgeline.eval.scores import aggregate, flatten_scores
+from forgeline.eval.scores import Z95, TaskItems, aggregate, flatten_scores, stderr_metrics
 from forgeline.eval.suite import render_suite, suite_fingerprint
 from forgeline.model.checkpoint.manager import CheckpointError, verify_checkpoint
 from forgeline.tasks.atomic import write_text_atomic
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 METRICS_NAME = "metrics.json"
 REPORT_NAME = "report.json"
 RESULTS_NAME = "lm_eval_results.json"
+ITEMS_NAME = "items.json"
 CHART_NAME = "dimensions.png"
 
 
@@ -60,19 +61,29 @@ class EvalResult:
     overall: float
     dimensions: dict[str, float]
     metrics: dict[str, float]  # flat: every task metric, "dimension/<name>" and "overall" (and base/...)
+    stderrs: dict[str, float] = field(default_factory=dict)  # "overall" and each dimension's
     base_overall: float | None = None  # the pretrained base's, on the same items
     base_dimensions: dict[str, float] | None = None
+    base_stderrs: dict[str, float] = field(default_factory=dict)
+
+    def _cell(self, score: float, key: str, stderrs: dict[str, float]) -> str:
+        return f"{score:.3f} ± {Z95 * stderrs[key]:.3f}" if key in stderrs else f"{score:.3f}"
 
     def markdown(self) -> str:
+        """The scores (± the half-width of their 95 % interval), the base's beside them."""
         if self.base_dimensions is None:
-            rows = [f"| {name} | {score:.3f} |" for name, score in self.dimensions.items()]
-            overall = f"| **overall** | **{self.overall:.3f}** |"
-            return "\n".join(["| dimension | score |", "|---|---|", *rows, overall])
-        rows = [f"| {name} | {score:.3f} | {self.base_dimensions[name]:.3f} | "
+            rows = [f"| {name} | {self._cell(score, name, self.stderrs)} |"
+                    for name, score in self.dimensions.items()]
+            overall = f"| **overall** | **{self._cell(self.overall, 'overall', self.stderrs)}** |"
+            return "\n".join(["| dimension | score (95 % interval) |", "|---|---|", *rows, overall])
+        rows = [f"| {name} | {self._cell(score, name, self.stderrs)} | "
+                f"{self._cell(self.base_dimensions[name], name, self.base_stderrs)} | "
                 f"{score - self.base_dimensions[name]:+.3f} |" for name, score in self.dimensions.items()]
-        overall = (f"| **overall** | **{self.overall:.3f}** | **{self.base_overall:.3f}** | "
+        overall = (f"| **overall** | **{self._cell(self.overall, 'overall', self.stderrs)}** | "
+                   f"**{self._cell(self.base_overall, 'overall', self.base_stderrs)}** | "
                    f"**{self.overall - self.base_overall:+.3f}** |")
-        return "\n".join(["| dimension | score | base | change |", "|---|---|---|---|", *rows, overall])
+        return "\n".join(["| dimension | score (95 % interval) | base | change |", "|---|---|---|---|", *rows,
+                          overall])
 
 
 def plan_tasks(ecfg: EvalConfig) -> dict[str, tuple[list[TaskScore], DimensionConfig]]:
@@ -117,7 +128,7 @@ def eval_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> EvalR
 def record_eval(cfg: Config, run: RunTracker, parent: RunTracker | None, result: EvalResult) -> None:
     """Every score, the report, lm-eval's results and the chart; the scores and chart on the parent."""
     run.log_metrics(result.metrics)
-    for name in (REPORT_NAME, RESULTS_NAME, CHART_NAME):
+    for name in (REPORT_NAME, RESULTS_NAME, ITEMS_NAME, CHART_NAME):
         run.log_artifact(Path(result.out_dir) / name, "eval")
     if parent:
         parent.log_metrics({f"eval/{k}": v for k, v in result.metrics.items()})
@@ -125,6 +136,26 @@ def record_eval(cfg: Config, run: RunTracker, parent: RunTracker | None, result:
 
 
 Plan = dict[str, tuple[list[TaskScore], DimensionConfig]]
+
+
+@dataclass
+class ModelScores:
+    """One model's evaluation: flat metrics, each planned task's per-item values, lm-eval's
+    results per dimension (without the logged samples)."""
+    raw: dict[str, float]
+    items: dict[str, TaskItems]
+    lm_eval_results: dict[str, dict] = field(default_factory=dict)
+
+    def report(self, plan: Plan) -> dict:
+        """Scores per task, dimension and overall, with standard errors and 95 % intervals."""
+        scores = {name: scores for name, (scores, _) in plan.items()}
+        stderrs = {f"{s.task}/{s.metric}": self.items[s.task].stderr(s) for ss in scores.values() for s in ss}
+        return aggregate(self.raw, scores, stderrs)
+
+    def items_record(self, plan: Plan) -> dict[str, dict]:
+        """What items.json keeps: per task its metric, item ids and per-item values."""
+        return {s.task: {"metric": s.metric, "aggregation": s.aggregation, "ids": self.items[s.task].ids,
+                         "values": self.items[s.task].values} for scores, _ in plan.values() for s in scores}
 
 
 def evaluate_model(cfg: Config) -> EvalResult:
@@ -136,54 +167,74 @@ def evaluate_model(cfg: Config) -> EvalResult:
     data_dir, out_dir = Path(cfg.data.out_dir), Path(cfg.eval.out_dir)
     suite_dir = render_suite(out_dir / "tasks", data_dir)
     task_manager = TaskManager(include_path=str(suite_dir))
-    raw, full_results = score_model(dict(checkpoint=str(checkpoint), tokenizer=str(data_dir / "tokenizer")),
-                                    cfg.eval, plan, task_manager)
-    report = aggregate(raw, {name: scores for name, (scores, _) in plan.items()})
-    dimensions = {name: entry["score"] for name, entry in report["dimensions"].items()}
-    metrics = raw | {f"dimension/{name}": score for name, score in dimensions.items()}
-    metrics["overall"] = report["overall"]
-    result = EvalResult(out_dir=str(out_dir), checkpoint=str(checkpoint), overall=report["overall"],
-                        dimensions=dimensions, metrics=metrics)
+    scored = score_model(dict(checkpoint=str(checkpoint), tokenizer=str(data_dir / "tokenizer")),
+                         cfg.eval, plan, task_manager)
+    report = scored.report(plan)
+    result = result_of(report, scored.raw, out_dir, checkpoint)
+    items = {"model": scored.items_record(plan)}
     if cfg.model.init_from:
         base = resolve_base(cfg)
-        base_raw = base_scores(base, cfg.eval, plan, task_manager, suite_fingerprint(suite_dir, data_dir))
-        result = beside_base(result, report, base, aggregate(base_raw, {n: s for n, (s, _) in plan.items()}),
-                             base_raw)
+        base_scored = base_scores(base, cfg.eval, plan, task_manager, suite_fingerprint(suite_dir, data_dir))
+        result = beside_base(result, report, base, base_scored.report(plan), base_scored.raw)
+        items["base"] = base_scored.items_record(plan)
     write_text_atomic(out_dir / RESULTS_NAME,
-                      json.dumps(full_results, indent=2, sort_keys=True, default=str) + "\n")
+                      json.dumps(scored.lm_eval_results, indent=2, sort_keys=True, default=str) + "\n")
     write_text_atomic(out_dir / REPORT_NAME, json.dumps(report, indent=2) + "\n")
     write_text_atomic(out_dir / METRICS_NAME, json.dumps(result.metrics, indent=2, sort_keys=True) + "\n")
+    write_text_atomic(out_dir / ITEMS_NAME, json.dumps(items, separators=(",", ":")) + "\n")
     plot_dimensions(result, out_dir / CHART_NAME)
     log.info("eval scores:\n%s", result.markdown())
     return result
 
 
+def stderrs_of(report: dict) -> dict[str, float]:
+    """The overall and per-dimension standard errors of a report, where there are some."""
+    found = {name: entry["stderr"] for name, entry in report["dimensions"].items()}
+    found["overall"] = report["overall_stderr"]
+    return {key: value for key, value in found.items() if value is not None}
+
+
+def result_of(report: dict, raw: dict[str, float], out_dir: Path, checkpoint: Path) -> EvalResult:
+    dimensions = {name: entry["score"] for name, entry in report["dimensions"].items()}
+    metrics = raw | {f"dimension/{name}": score for name, score in dimensions.items()}
+    metrics |= {"overall": report["overall"]} | stderr_metrics(report)
+    return EvalResult(out_dir=str(out_dir), checkpoint=str(checkpoint), overall=report["overall"],
+                      dimensions=dimensions, metrics=metrics, stderrs=stderrs_of(report))
+
+
 def score_model(model_args: dict[str, str], ecfg: EvalConfig, plan: Plan,
-                task_manager: TaskManager) -> tuple[dict[str, float], dict[str, dict]]:
-    """Every planned task on one model (ForgelineLM's arguments): the flat metrics, and lm-eval's
-    results per dimension. The model is freed on return (a second may be loaded next)."""
+                task_manager: TaskManager) -> ModelScores:
+    """Every planned task on one model (ForgelineLM's arguments). The model is freed on return
+    (a second may be loaded next)."""
     lm = ForgelineLM(batch_size=ecfg.batch_size, **model_args)
-    raw: dict[str, float] = {}
-    full_results = {}
+    scored = score_lm(lm, plan, task_manager)
+    del lm
+    gc.collect()
+    return scored
+
+
+def score_lm(lm: lm_eval.api.model.LM, plan: Plan, task_manager: TaskManager) -> ModelScores:
+    """Every planned task on `lm`, each item's value logged."""
+    scored = ModelScores(raw={}, items={})
     for name, (scores, dcfg) in plan.items():
         log.info("evaluating %s: %s (limit %s, %d-shot)", name, ", ".join(s.task for s in scores),
                  dcfg.limit, dcfg.num_fewshot)
         results = lm_eval.simple_evaluate(
             model=lm, tasks=[s.task for s in scores], num_fewshot=dcfg.num_fewshot, limit=dcfg.limit,
-            task_manager=task_manager, log_samples=False, bootstrap_iters=0,
+            task_manager=task_manager, log_samples=True, bootstrap_iters=0,
             random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
         )
-        full_results[name] = results
-        raw |= flatten_scores(results["results"])
-    del lm
-    gc.collect()
-    return raw, full_results
+        samples = results.pop("samples")
+        scored.items |= {s.task: TaskItems.from_samples(samples[s.task], s) for s in scores}
+        scored.lm_eval_results[name] = results
+        scored.raw |= flatten_scores(results["results"])
+    return scored
 
 
 def base_scores(base: Base, ecfg: EvalConfig, plan: Plan, task_manager: TaskManager,
-                suite: str) -> dict[str, float]:
-    """The base's flat metrics on the same items as the run's, from the cache when this base
-    was evaluated under the same suite fingerprint, plan and batch size before."""
+                suite: str) -> ModelScores:
+    """The base's scores on the same items as the run's, from the cache when this base was
+    evaluated under the same suite fingerprint, plan and batch size before."""
     plan_key = {name: ([s.task for s in scores], dcfg.limit, dcfg.num_fewshot)
                 for name, (scores, dcfg) in plan.items()}
     key = hashlib.sha256(json.dumps([base.sha256, base.tokenizer_sha256, suite, plan_key, ecfg.batch_size],
@@ -191,13 +242,16 @@ def base_scores(base: Base, ecfg: EvalConfig, plan: Plan, task_manager: TaskMana
     cached = forgeline_cache() / "evals" / f"base-{key[:32]}.json"
     if cached.is_file():
         log.info("the base %s on these items: scores from %s", base.uri, cached)
-        return json.loads(cached.read_text())["metrics"]
+        record = json.loads(cached.read_text())
+        return ModelScores(raw=record["metrics"], items={task: TaskItems(**entry)
+                                                         for task, entry in record["items"].items()})
     log.info("evaluating the base %s on the same items", base.uri)
     source = {"checkpoint" if base.is_checkpoint else "hf": str(base.weights)}
-    raw, _ = score_model(source | {"tokenizer": str(base.tokenizer)}, ecfg, plan, task_manager)
+    scored = score_model(source | {"tokenizer": str(base.tokenizer)}, ecfg, plan, task_manager)
+    items = {task: {"ids": entry.ids, "values": entry.values} for task, entry in scored.items.items()}
     write_text_atomic(cached, json.dumps({"base": base.lineage(), "suite": suite, "plan": plan_key,
-                                          "metrics": raw}, indent=2, sort_keys=True) + "\n")
-    return raw
+                                          "metrics": scored.raw, "items": items}, sort_keys=True) + "\n")
+    return scored
 
 
 def beside_base(result: EvalResult, report: dict, base: Base, base_report: dict,
@@ -215,30 +269,41 @@ def beside_base(result: EvalResult, report: dict, base: Base, base_report: dict,
                | {f"base/dimension/{name}": score for name, score in base_dimensions.items()}
                | {"base/overall": base_report["overall"], "versus_base/overall": versus["overall"]}
                | {f"versus_base/dimension/{name}": change for name, change in versus["dimensions"].items()})
+    metrics |= {f"base/{key}": value for key, value in stderr_metrics(base_report).items()}
     return replace(result, metrics=metrics, base_overall=base_report["overall"],
-                   base_dimensions=base_dimensions)
+                   base_dimensions=base_dimensions, base_stderrs=stderrs_of(base_report))
+
+
+def error_bars(scores: dict[str, float], stderrs: dict[str, float]) -> list[float]:
+    """Half-widths of the 95 % intervals (0 where a score has no standard error)."""
+    return [Z95 * stderrs.get(name, 0.0) for name in scores]
 
 
 def plot_dimensions(result: EvalResult, path: Path) -> None:
-    """Horizontal bars of the dimension scores; the base's beside them when there is one."""
+    """Horizontal bars of the dimension scores with their 95 % intervals; the base's beside them
+    when there is one."""
     names = list(result.dimensions)
     figure = Figure(figsize=(7, 0.5 * len(names) * (2 if result.base_dimensions else 1) + 1.5))  # no pyplot
     axes = figure.subplots()
     title = f"capability profile -- overall {result.overall:.3f}"
+    bars = {"capsize": 3, "error_kw": {"elinewidth": 1}}
     if result.base_dimensions is None:
-        axes.barh(names, [result.dimensions[n] for n in names], color="#4C72B0")
+        axes.barh(names, list(result.dimensions.values()), color="#4C72B0",
+                  xerr=error_bars(result.dimensions, result.stderrs), **bars)
     else:
         rows = range(len(names))
-        axes.barh([r - 0.2 for r in rows], [result.dimensions[n] for n in names], height=0.4,
-                  color="#4C72B0", label=f"this run ({result.overall:.3f})")
+        axes.barh([r - 0.2 for r in rows], list(result.dimensions.values()), height=0.4, color="#4C72B0",
+                  xerr=error_bars(result.dimensions, result.stderrs),
+                  label=f"this run ({result.overall:.3f})", **bars)
         axes.barh([r + 0.2 for r in rows], [result.base_dimensions[n] for n in names], height=0.4,
-                  color="#A0A0A0", label=f"its base ({result.base_overall:.3f})")
+                  color="#A0A0A0", xerr=error_bars(result.base_dimensions, result.base_stderrs),
+                  label=f"its base ({result.base_overall:.3f})", **bars)
         axes.set_yticks(list(rows), names)
         axes.legend(loc="lower right")
         title += f", base {result.base_overall:.3f}"
     axes.axvline(0, color="black", linewidth=0.8)
     axes.invert_yaxis()
-    axes.set_xlabel("chance-normalized score (0 = chance, 1 = best)")
+    axes.set_xlabel("chance-normalized score (0 = chance, 1 = best); bars: 95 % intervals")
     axes.set_title(title)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from lm_eval.tasks import TaskManager
 from forgeline.eval.dimensions import DIMENSION_TASKS
 from forgeline.eval.lm import ForgelineLM
 from forgeline.eval.sandbox import isolation
-from forgeline.eval.scores import flatten_scores
+from forgeline.eval.scores import TaskItems, flatten_scores
 from forgeline.eval.suite import render_suite
 from tests.conftest import random_lm
 
@@ -58,9 +58,9 @@ def helper(name: str) -> ModuleType:
     return module
 
 
-def evaluate(lm: ForgelineLM, task_manager: TaskManager, tasks: list[str]) -> dict:
+def evaluate(lm: ForgelineLM, task_manager: TaskManager, tasks: list[str], log_samples: bool = False) -> dict:
     return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=0, limit=LIMIT,
-                                   task_manager=task_manager, log_samples=False, bootstrap_iters=0,
+                                   task_manager=task_manager, log_samples=log_samples, bootstrap_iters=0,
                                    random_seed=0, numpy_random_seed=0, torch_random_seed=0,
                                    fewshot_random_seed=0)
 
@@ -68,13 +68,19 @@ def evaluate(lm: ForgelineLM, task_manager: TaskManager, tasks: list[str]) -> di
 @pytest.mark.parametrize("dimension", list(DIMENSION_TASKS))
 def test_every_task_of_a_dimension_yields_its_registered_metric(
         dimension: str, lm: ForgelineLM, task_manager: TaskManager) -> None:
+    """... and its per-item values (eval/scores.py TaskItems), keyed by distinct item ids,
+    aggregate to the value lm-eval reports, with a standard error."""
     scores = DIMENSION_TASKS[dimension]
-    results = evaluate(lm, task_manager, [s.task for s in scores])
+    results = evaluate(lm, task_manager, [s.task for s in scores], log_samples=True)
     flat = flatten_scores(results["results"])
     for score in scores:
         key = f"{score.task}/{score.metric}"
         assert key in flat and math.isfinite(flat[key]), f"{key} not among {sorted(flat)}"
         assert results["n-samples"][score.task]["effective"] == LIMIT
+        items = TaskItems.from_samples(results["samples"][score.task], score)
+        assert len(set(items.ids)) == len(items.values) == LIMIT
+        assert items.value(score) == pytest.approx(flat[key], rel=1e-9), key
+        assert items.stderr(score) is not None and items.stderr(score) >= 0
 
 
 def test_crows_pairs_runs_outside_the_registry(lm: ForgelineLM, task_manager: TaskManager) -> None:

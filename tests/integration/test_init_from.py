@@ -256,6 +256,9 @@ def test_a_continued_run_is_evaluated_beside_its_base_and_its_version_serves(
     assert set(report["base"]["dimensions"]) == set(result.dimensions)
     assert metrics["base/overall"] == report["base"]["overall"] == result.base_overall
     assert metrics["versus_base/overall"] == pytest.approx(result.overall - result.base_overall)
+    items = json.loads((root / "eval" / "items.json").read_text())
+    assert all(items["base"][task]["ids"] == items["model"][task]["ids"] for task in items["model"])
+    assert metrics["base/stderr/overall"] > 0 and metrics["stderr/overall"] > 0
     bpb = "forgeline_heldout/bits_per_byte"
     assert metrics[bpb] != metrics[f"base/{bpb}"]  # two models, not one twice
     theirs = lm_eval.simple_evaluate(

@@ -62,7 +62,9 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     dimensions = {"reasoning", "knowledge", "math", "code", "safety", "language_modeling"}
     assert {k.split("/")[1] for k in eval_metrics if k.startswith("dimension/")} == dimensions
     assert "overall" in eval_metrics and "eval/overall" in parent.data.metrics
-    assert "Eval (chance-normalized, 0 = chance, 1 = best): overall" in done.stdout
+    assert re.search(r"Eval \(chance-normalized, 0 = chance, 1 = best; ± 95 % interval\): overall "
+                     r"-?[0-9.]+ ± [0-9.]+", done.stdout)
+    assert eval_metrics["stderr/overall"] > 0 and "stderr/dimension/reasoning" in eval_metrics
     assert by_name["data"].data.metrics["train_samples"] == manifest["splits"]["train"]["samples"]
     # ... built from the raw snapshot its run records.
     assert by_name["data"].data.tags["forgeline.data.raw_dvc_md5"] == dvc_hash(tmp_path / "artifacts" / "raw")
@@ -80,7 +82,7 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     assert isinstance(text, str) and text
 
     # Eval and register outputs on disk, and the chart among the eval run's artifacts.
-    for name in ("metrics.json", "report.json", "lm_eval_results.json", "dimensions.png"):
+    for name in ("metrics.json", "report.json", "lm_eval_results.json", "items.json", "dimensions.png"):
         assert (tmp_path / "artifacts" / "eval" / name).is_file()
     artifacts = {a.path for a in client.list_artifacts(by_name["eval"].info.run_id, "eval")}
     assert "eval/dimensions.png" in artifacts

@@ -1,5 +1,7 @@
 """Scoring: chance normalization, dimension and overall aggregation, the task plan."""
 
+import math
+import random
 from pathlib import Path
 
 import lm_eval
@@ -11,11 +13,12 @@ from lm_eval.tasks._yaml_loader import load_yaml  # reads `!function` tags unres
 import forgeline.eval
 from forgeline.configs import load_config
 from forgeline.eval.dimensions import DIMENSION_TASKS, TaskScore
-from forgeline.eval.scores import aggregate, flatten_scores, normalized
+from forgeline.eval.scores import Z95, TaskItems, aggregate, flatten_scores, normalized, stderr_metrics
 from forgeline.tasks.evaluate import check_task_source, plan_tasks
 
 ACC = TaskScore(task="mc", metric="acc", chance=0.25, best=1.0)
 BPB = TaskScore(task="lm", metric="bits_per_byte", chance=8.0, best=0.0)
+BPB_ITEMS = TaskScore(task="lm", metric="bits_per_byte", chance=8.0, best=0.0, aggregation="bits_per_byte")
 
 
 def test_normalization_puts_chance_at_zero_and_best_at_one_in_either_direction() -> None:
@@ -31,6 +34,54 @@ def test_dimensions_average_their_tasks_and_overall_averages_dimensions() -> Non
     assert report["dimensions"]["reasoning"]["score"] == pytest.approx(0.25)
     assert report["dimensions"]["language_modeling"]["tasks"]["lm"]["normalized"] == pytest.approx(0.75)
     assert report["overall"] == pytest.approx(0.5)
+
+
+def test_a_means_stderr_is_the_closed_form_and_others_are_bootstrapped() -> None:
+    accuracy = TaskItems(ids=["a", "b", "c", "d"], values=[1.0, 0.0, 1.0, 1.0])
+    assert accuracy.value(ACC) == 0.75
+    assert accuracy.stderr(ACC) == pytest.approx(math.sqrt(0.75 / 3) / 2)  # sample std / sqrt(n)
+    rng = random.Random(0)
+    pairs = [(-rng.uniform(50, 150), rng.randint(100, 300)) for _ in range(200)]  # (log-likelihood, bytes)
+    bpb_items = TaskItems(ids=[str(i) for i in range(200)], values=pairs)
+    expected = -sum(ll for ll, _ in pairs) / sum(b for _, b in pairs) / math.log(2)
+    assert bpb_items.value(BPB_ITEMS) == pytest.approx(expected)
+    # The delta method's error of a ratio of sums, which the bootstrap should approach.
+    ratio = sum(ll for ll, _ in pairs) / sum(b for _, b in pairs)
+    residuals = [ll - ratio * b for ll, b in pairs]
+    delta = math.sqrt(sum(r * r for r in residuals) / 199) / (sum(b for _, b in pairs) / 200) / math.sqrt(200)
+    assert bpb_items.stderr(BPB_ITEMS) == pytest.approx(delta / math.log(2), rel=0.15)
+    assert TaskItems(ids=["a"], values=[1.0]).stderr(ACC) is None
+
+
+def test_intervals_propagate_through_normalization_and_averaging() -> None:
+    raw = {"mc/acc": 0.625, "other/acc": 0.25, "lm/bits_per_byte": 2.0}
+    other = TaskScore(task="other", metric="acc", chance=0.25, best=1.0)
+    stderrs = {"mc/acc": 0.03, "other/acc": 0.06, "lm/bits_per_byte": 0.4}
+    report = aggregate(raw, {"reasoning": [ACC, other], "language_modeling": [BPB]}, stderrs)
+    reasoning = report["dimensions"]["reasoning"]
+    assert reasoning["tasks"]["mc"]["normalized_stderr"] == pytest.approx(0.04)  # / (1 - 0.25)
+    assert reasoning["stderr"] == pytest.approx(math.sqrt(0.04 ** 2 + 0.08 ** 2) / 2)
+    assert report["dimensions"]["language_modeling"]["stderr"] == pytest.approx(0.05)  # / |0 - 8|
+    assert report["overall_stderr"] == pytest.approx(math.sqrt(reasoning["stderr"] ** 2 + 0.05 ** 2) / 2)
+    low, high = report["overall_ci95"]
+    assert (low + high) / 2 == pytest.approx(report["overall"]) and high - low == pytest.approx(
+        2 * Z95 * report["overall_stderr"])
+    flat = stderr_metrics(report)
+    assert flat["stderr/mc/acc"] == 0.03 and flat["stderr/dimension/reasoning"] == reasoning["stderr"]
+    partial = aggregate(raw, {"reasoning": [ACC, other]}, {"mc/acc": 0.03})  # other/acc has none
+    assert partial["dimensions"]["reasoning"]["stderr"] is None
+
+
+def test_about_95_percent_of_the_intervals_cover_the_true_accuracy() -> None:
+    """Repeated draws of 200 items of a task with a true accuracy of 0.6: the score's 95 %
+    interval contains 0.6 about 95 % of the time (2,000 draws: within 3 points)."""
+    rng = random.Random(0)
+    covered = 0
+    for _ in range(2000):
+        items = TaskItems(ids=[], values=[float(rng.random() < 0.6) for _ in range(200)])
+        value, se = items.value(ACC), items.stderr(ACC)
+        covered += value - Z95 * se <= 0.6 <= value + Z95 * se
+    assert abs(covered / 2000 - 0.95) <= 0.03
 
 
 def test_a_missing_registered_metric_is_an_error_not_a_zero() -> None:
