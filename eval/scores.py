@@ -60,6 +60,72 @@ class TaskItems:
         return float(np.std(draws, ddof=1))
 
 
+def paired_difference(a: TaskItems, b: TaskItems, score: TaskScore) -> dict:
+    """The task's value of `a` minus `b` on the items both evaluated (matched by id; a repeated
+    id by its occurrence), with the standard error of the paired difference -- closed form for
+    a mean (of the per-item differences), a bootstrap drawing the same items from both
+    otherwise -- and the number of shared items."""
+    def keyed(items: TaskItems) -> dict[tuple[str, int], Any]:
+        seen: dict[str, int] = {}
+        out = {}
+        for item_id, value in zip(items.ids, items.values, strict=True):
+            seen[item_id] = seen.get(item_id, 0) + 1
+            out[(item_id, seen[item_id])] = value
+        return out
+
+    theirs = keyed(b)
+    pairs = [(value, theirs[key]) for key, value in keyed(a).items() if key in theirs]
+    n = len(pairs)
+    if n == 0:
+        return {"difference": None, "stderr": None, "shared": 0}
+    aggregate_values = AGGREGATIONS[score.aggregation]
+    ours, others = [x for x, _ in pairs], [y for _, y in pairs]
+    difference = float(aggregate_values(ours) - aggregate_values(others))
+    if n < 2:
+        stderr = None
+    elif score.aggregation == "mean":
+        stderr = statistics.stdev(x - y for x, y in pairs) / math.sqrt(n)
+    else:
+        rng = np.random.default_rng(0)
+        draws = []
+        for _ in range(BOOTSTRAP_ITERS):
+            picked = rng.integers(0, n, n)
+            draws.append(aggregate_values([ours[i] for i in picked])
+                         - aggregate_values([others[i] for i in picked]))
+        stderr = float(np.std(draws, ddof=1))
+    return {"difference": difference, "stderr": stderr, "shared": n}
+
+
+def paired_comparison(a: dict[str, TaskItems], b: dict[str, TaskItems],
+                      plan: dict[str, list[TaskScore]]) -> dict:
+    """Model `a` minus model `b`, item by item on the items both evaluated: per task (in its
+    metric and normalized), per dimension and overall, each with its standard error and 95 %
+    interval; a dimension's and the overall difference are the means of their normalized
+    parts, their errors combined as for the scores."""
+    dimensions = {}
+    for name, scores in plan.items():
+        tasks = {}
+        for score in scores:
+            paired = paired_difference(a[score.task], b[score.task], score)
+            scale = score.best - score.chance  # a difference normalizes without the chance offset
+            tasks[score.task] = paired | {
+                "metric": score.metric,
+                "normalized": None if paired["difference"] is None else paired["difference"] / scale,
+                "normalized_stderr": None if paired["stderr"] is None else paired["stderr"] / abs(scale)}
+        parts = [t["normalized"] for t in tasks.values()]
+        value = None if None in parts else sum(parts) / len(parts)
+        se = combined_stderr([t["normalized_stderr"] for t in tasks.values()])
+        dimensions[name] = {"difference": value, "stderr": se,
+                            "ci95": None if value is None else interval(value, se), "tasks": tasks}
+    parts = [d["difference"] for d in dimensions.values()]
+    overall = None if None in parts else sum(parts) / len(parts)
+    overall_se = combined_stderr([d["stderr"] for d in dimensions.values()])
+    shared = {task: t["shared"] for d in dimensions.values() for task, t in d["tasks"].items()}
+    return {"overall": overall, "overall_stderr": overall_se,
+            "overall_ci95": None if overall is None else interval(overall, overall_se),
+            "shared_items": shared, "dimensions": dimensions}
+
+
 def interval(score: float, stderr: float | None) -> list[float] | None:
     return None if stderr is None else [score - Z95 * stderr, score + Z95 * stderr]
 

@@ -37,7 +37,7 @@ from forgeline.configs import Config
 from forgeline.configs.schema import DimensionConfig, EvalConfig
 from forgeline.eval.dimensions import DIMENSION_TASKS, TaskScore
 from forgeline.eval.lm import ForgelineLM
-from forgeline.eval.scores import Z95, TaskItems, aggregate, flatten_scores, stderr_metrics
+from forgeline.eval.scores import Z95, TaskItems, aggregate, flatten_scores, paired_comparison, stderr_metrics
 from forgeline.eval.suite import render_suite, suite_fingerprint
 from forgeline.model.checkpoint.manager import CheckpointError, verify_checkpoint
 from forgeline.tasks.atomic import write_text_atomic
@@ -65,6 +65,11 @@ class EvalResult:
     base_overall: float | None = None  # the pretrained base's, on the same items
     base_dimensions: dict[str, float] | None = None
     base_stderrs: dict[str, float] = field(default_factory=dict)
+    change_stderrs: dict[str, float] = field(default_factory=dict)  # of the paired run-minus-base differences
+
+    def _change(self, change: float, key: str) -> str:
+        interval = f" ± {Z95 * self.change_stderrs[key]:.3f}" if key in self.change_stderrs else ""
+        return f"{change:+.3f}{interval}"
 
     def _cell(self, score: float, key: str, stderrs: dict[str, float]) -> str:
         return f"{score:.3f} ± {Z95 * stderrs[key]:.3f}" if key in stderrs else f"{score:.3f}"
@@ -78,12 +83,13 @@ class EvalResult:
             return "\n".join(["| dimension | score (95 % interval) |", "|---|---|", *rows, overall])
         rows = [f"| {name} | {self._cell(score, name, self.stderrs)} | "
                 f"{self._cell(self.base_dimensions[name], name, self.base_stderrs)} | "
-                f"{score - self.base_dimensions[name]:+.3f} |" for name, score in self.dimensions.items()]
+                f"{self._change(score - self.base_dimensions[name], name)} |"
+                for name, score in self.dimensions.items()]
         overall = (f"| **overall** | **{self._cell(self.overall, 'overall', self.stderrs)}** | "
                    f"**{self._cell(self.base_overall, 'overall', self.base_stderrs)}** | "
-                   f"**{self.overall - self.base_overall:+.3f}** |")
-        return "\n".join(["| dimension | score (95 % interval) | base | change |", "|---|---|---|---|", *rows,
-                          overall])
+                   f"**{self._change(self.overall - self.base_overall, 'overall')}** |")
+        header = ["| dimension | score (95 % interval) | base | change (paired) |", "|---|---|---|---|"]
+        return "\n".join([*header, *rows, overall])
 
 
 def plan_tasks(ecfg: EvalConfig) -> dict[str, tuple[list[TaskScore], DimensionConfig]]:
@@ -175,7 +181,9 @@ def evaluate_model(cfg: Config) -> EvalResult:
     if cfg.model.init_from:
         base = resolve_base(cfg)
         base_scored = base_scores(base, cfg.eval, plan, task_manager, suite_fingerprint(suite_dir, data_dir))
-        result = beside_base(result, report, base, base_scored.report(plan), base_scored.raw)
+        scores = {name: scores for name, (scores, _) in plan.items()}
+        result = beside_base(result, report, base, base_scored.report(plan), base_scored.raw,
+                             paired_comparison(scored.items, base_scored.items, scores))
         items["base"] = base_scored.items_record(plan)
     write_text_atomic(out_dir / RESULTS_NAME,
                       json.dumps(scored.lm_eval_results, indent=2, sort_keys=True, default=str) + "\n")
@@ -255,23 +263,28 @@ def base_scores(base: Base, ecfg: EvalConfig, plan: Plan, task_manager: TaskMana
 
 
 def beside_base(result: EvalResult, report: dict, base: Base, base_report: dict,
-                base_raw: dict[str, float]) -> EvalResult:
+                base_raw: dict[str, float], versus: dict) -> EvalResult:
     """The run's result with the base's scores beside it; `report` gains `base` and
-    `versus_base` (the run's scores minus the base's)."""
+    `versus_base` (`versus`: the run minus the base, paired on their shared items,
+    eval/scores.py paired_comparison)."""
     base_dimensions = {name: entry["score"] for name, entry in base_report["dimensions"].items()}
     report["base"] = {"uri": base.uri, "weights_sha256": base.sha256} | base_report
-    report["versus_base"] = {
-        "overall": result.overall - base_report["overall"],
-        "dimensions": {name: score - base_dimensions[name] for name, score in result.dimensions.items()},
-    }
-    versus = report["versus_base"]
+    report["versus_base"] = versus
+    changes = {f"dimension/{name}": entry["difference"] for name, entry in versus["dimensions"].items()}
+    changes["overall"] = versus["overall"]
+    change_stderrs = {f"stderr/dimension/{name}": entry["stderr"]
+                      for name, entry in versus["dimensions"].items()}
+    change_stderrs["stderr/overall"] = versus["overall_stderr"]
     metrics = (result.metrics | {f"base/{key}": value for key, value in base_raw.items()}
                | {f"base/dimension/{name}": score for name, score in base_dimensions.items()}
-               | {"base/overall": base_report["overall"], "versus_base/overall": versus["overall"]}
-               | {f"versus_base/dimension/{name}": change for name, change in versus["dimensions"].items()})
-    metrics |= {f"base/{key}": value for key, value in stderr_metrics(base_report).items()}
+               | {"base/overall": base_report["overall"]}
+               | {f"base/{key}": value for key, value in stderr_metrics(base_report).items()}
+               | {f"versus_base/{key}": value for key, value in (changes | change_stderrs).items()
+                  if value is not None})
     return replace(result, metrics=metrics, base_overall=base_report["overall"],
-                   base_dimensions=base_dimensions, base_stderrs=stderrs_of(base_report))
+                   base_dimensions=base_dimensions, base_stderrs=stderrs_of(base_report),
+                   change_stderrs={key.removeprefix("stderr/dimension/").removeprefix("stderr/"): value
+                                   for key, value in change_stderrs.items() if value is not None})
 
 
 def error_bars(scores: dict[str, float], stderrs: dict[str, float]) -> list[float]:

@@ -259,6 +259,11 @@ def test_a_continued_run_is_evaluated_beside_its_base_and_its_version_serves(
     items = json.loads((root / "eval" / "items.json").read_text())
     assert all(items["base"][task]["ids"] == items["model"][task]["ids"] for task in items["model"])
     assert metrics["base/stderr/overall"] > 0 and metrics["stderr/overall"] > 0
+    # The change is paired on the shared items -- all of them -- with its own interval.
+    versus = report["versus_base"]
+    assert versus["shared_items"] == {task: len(entry["ids"]) for task, entry in items["model"].items()}
+    assert metrics["versus_base/stderr/overall"] == versus["overall_stderr"] > 0
+    assert "change (paired)" in result.markdown() and "±" in result.markdown()
     bpb = "forgeline_heldout/bits_per_byte"
     assert metrics[bpb] != metrics[f"base/{bpb}"]  # two models, not one twice
     theirs = lm_eval.simple_evaluate(

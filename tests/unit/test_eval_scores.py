@@ -13,7 +13,16 @@ from lm_eval.tasks._yaml_loader import load_yaml  # reads `!function` tags unres
 import forgeline.eval
 from forgeline.configs import load_config
 from forgeline.eval.dimensions import DIMENSION_TASKS, TaskScore
-from forgeline.eval.scores import Z95, TaskItems, aggregate, flatten_scores, normalized, stderr_metrics
+from forgeline.eval.scores import (
+    Z95,
+    TaskItems,
+    aggregate,
+    flatten_scores,
+    normalized,
+    paired_comparison,
+    paired_difference,
+    stderr_metrics,
+)
 from forgeline.tasks.evaluate import check_task_source, plan_tasks
 
 ACC = TaskScore(task="mc", metric="acc", chance=0.25, best=1.0)
@@ -82,6 +91,60 @@ def test_about_95_percent_of_the_intervals_cover_the_true_accuracy() -> None:
         value, se = items.value(ACC), items.stderr(ACC)
         covered += value - Z95 * se <= 0.6 <= value + Z95 * se
     assert abs(covered / 2000 - 0.95) <= 0.03
+
+
+def correlated_pair(rng: random.Random, n: int) -> tuple[TaskItems, TaskItems]:
+    """Model a right with probability 0.6; model b answers as a on 90 % of the items and guesses
+    (0.5) on the rest: accuracy 0.59, a true difference of 0.01, strongly paired."""
+    a = [float(rng.random() < 0.6) for _ in range(n)]
+    b = [x if rng.random() < 0.9 else float(rng.random() < 0.5) for x in a]
+    ids = [f"{i:016x}" for i in range(n)]
+    return TaskItems(ids=ids, values=a), TaskItems(ids=ids, values=b)
+
+
+def test_about_95_percent_of_the_paired_intervals_cover_the_true_difference() -> None:
+    rng = random.Random(1)
+    covered, paired_wider = 0, 0
+    for _ in range(2000):
+        a, b = correlated_pair(rng, 200)
+        paired = paired_difference(a, b, ACC)
+        covered += abs(paired["difference"] - 0.01) <= Z95 * paired["stderr"]
+        paired_wider += paired["stderr"] >= math.hypot(a.stderr(ACC), b.stderr(ACC))
+    assert abs(covered / 2000 - 0.95) <= 0.03
+    assert paired_wider == 0  # pairing removes the items' shared difficulty from the error
+
+
+def test_a_paired_difference_matches_items_by_id_and_counts_the_shared_ones() -> None:
+    a = TaskItems(ids=["x", "y", "z", "y"], values=[1.0, 1.0, 0.0, 0.0])
+    b = TaskItems(ids=["y", "w", "x"], values=[0.0, 1.0, 1.0])  # y's first occurrence, x; not w, z
+    paired = paired_difference(a, b, ACC)
+    assert paired["shared"] == 2 and paired["difference"] == pytest.approx(0.5)  # (1 + 1)/2 - (1 + 0)/2
+    assert paired_difference(a, TaskItems(ids=["q"], values=[1.0]), ACC) == {
+        "difference": None, "stderr": None, "shared": 0}
+    rng = random.Random(0)
+    pairs = [(-rng.uniform(50, 150), rng.randint(100, 300)) for _ in range(50)]
+    same = TaskItems(ids=[str(i) for i in range(50)], values=pairs)
+    assert paired_difference(same, same, BPB_ITEMS) == {"difference": 0.0, "stderr": 0.0, "shared": 50}
+
+
+def test_a_paired_comparison_normalizes_and_combines_like_the_scores() -> None:
+    rng = random.Random(2)
+    a_mc, b_mc = correlated_pair(rng, 100)
+    pairs = [(-rng.uniform(50, 150), rng.randint(100, 300)) for _ in range(40)]
+    worse = [(ll * 1.1, b) for ll, b in pairs]  # 10 % more bits per byte
+    ids = [str(i) for i in range(40)]
+    a = {"mc": a_mc, "lm": TaskItems(ids=ids, values=pairs)}
+    b = {"mc": b_mc, "lm": TaskItems(ids=ids, values=worse)}
+    comparison = paired_comparison(a, b, {"reasoning": [ACC], "language_modeling": [BPB_ITEMS]})
+    lm = comparison["dimensions"]["language_modeling"]
+    assert lm["difference"] > 0  # fewer bits per byte is better: a positive normalized change
+    assert lm["tasks"]["lm"]["difference"] < 0 and lm["difference"] == pytest.approx(
+        lm["tasks"]["lm"]["difference"] / -8.0)
+    reasoning = comparison["dimensions"]["reasoning"]["difference"]
+    assert comparison["overall"] == pytest.approx((reasoning + lm["difference"]) / 2)
+    assert comparison["shared_items"] == {"mc": 100, "lm": 40}
+    low, high = comparison["overall_ci95"]
+    assert high - low == pytest.approx(2 * Z95 * comparison["overall_stderr"])
 
 
 def test_a_missing_registered_metric_is_an_error_not_a_zero() -> None:
