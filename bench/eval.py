@@ -28,15 +28,10 @@ import lm_eval  # noqa: E402
 import torch  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
-from results_file import write_results  # noqa: E402  (bench/, the script's own directory)
+from random_model import random_model_on_suite  # noqa: E402  (bench/, the script's own directory)
+from results_file import write_results  # noqa: E402
 
-from forgeline.configs import load_config  # noqa: E402
 from forgeline.eval.lm import ForgelineLM  # noqa: E402
-from forgeline.eval.suite import render_suite  # noqa: E402
-from forgeline.model.hf import export_hf  # noqa: E402
-from forgeline.model.llama import Transformer  # noqa: E402
-from forgeline.model.training.shards import read_manifest  # noqa: E402
-from forgeline.tasks.data.build import build_dataset  # noqa: E402
 from forgeline.tasks.evaluate import plan_tasks  # noqa: E402
 
 Plan = dict[str, tuple[list[str], int | None, int]]  # dimension -> tasks, limit, few-shot
@@ -93,16 +88,9 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count())
 
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as scratch:
-        workdir = Path(scratch)
-        cfg = load_config(args.config, [f"data.out_dir={workdir / 'data'}",
-                                        f"data.raw_dir={workdir / 'raw'}"])
+        cfg, model, hf_dir, task_manager = random_model_on_suite(args.config, Path(scratch))
         plan = {name: ([s.task for s in scores], args.limit or dcfg.limit, dcfg.num_fewshot)
                 for name, (scores, dcfg) in plan_tasks(cfg.eval).items()}
-        build_dataset(cfg)
-        model = Transformer(cfg.model.for_vocabulary(read_manifest(workdir / "data")["vocab_size"]))
-        model.init_weights(0)
-        hf_dir = export_hf(model, workdir / "data" / "tokenizer", workdir / "hf")
-        task_manager = TaskManager(include_path=str(render_suite(workdir / "tasks", workdir / "data")))
         ours = ForgelineLM(hf=str(hf_dir), tokenizer=str(hf_dir), batch_size=cfg.eval.batch_size)
         theirs = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=cfg.eval.batch_size)
         clocks = {"ours": BackendClock(ours), "hf": BackendClock(theirs)}

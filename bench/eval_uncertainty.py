@@ -33,16 +33,11 @@ apply_environment_defaults()  # before lm-eval, datasets and transformers are im
 import lm_eval  # noqa: E402
 import torch  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
-from results_file import write_results  # noqa: E402  (bench/, the script's own directory)
+from random_model import random_model_on_suite  # noqa: E402  (bench/, the script's own directory)
+from results_file import write_results  # noqa: E402
 
-from forgeline.configs import load_config  # noqa: E402
 from forgeline.eval.lm import ForgelineLM  # noqa: E402
 from forgeline.eval.scores import aggregate, flatten_scores  # noqa: E402
-from forgeline.eval.suite import render_suite  # noqa: E402
-from forgeline.model.hf import export_hf  # noqa: E402
-from forgeline.model.llama import Transformer  # noqa: E402
-from forgeline.model.training.shards import read_manifest  # noqa: E402
-from forgeline.tasks.data.build import build_dataset  # noqa: E402
 from forgeline.tasks.evaluate import Plan, plan_tasks, score_lm  # noqa: E402
 
 
@@ -78,14 +73,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-eval-uncertainty-") as scratch:
         workdir = Path(scratch)
-        cfg = load_config(args.config, [f"data.out_dir={workdir / 'data'}",
-                                        f"data.raw_dir={workdir / 'raw'}"])
+        cfg, _, hf_dir, task_manager = random_model_on_suite(args.config, workdir)
         plan = plan_tasks(cfg.eval)
-        build_dataset(cfg)
-        model = Transformer(cfg.model.for_vocabulary(read_manifest(workdir / "data")["vocab_size"]))
-        model.init_weights(0)
-        hf_dir = export_hf(model, workdir / "data" / "tokenizer", workdir / "hf")
-        task_manager = TaskManager(include_path=str(render_suite(workdir / "tasks", workdir / "data")))
         lm = ForgelineLM(hf=str(hf_dir), tokenizer=str(hf_dir), batch_size=cfg.eval.batch_size)
         times: dict[str, list[float]] = {"before": [], "now": [], "after_scoring": []}
         for round_index in range(args.rounds):  # alternating order, so both see the same machine
