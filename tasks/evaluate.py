@@ -5,18 +5,22 @@ dimension.
 Each task's value is chance-normalized -- (value - chance) / (best - chance): 0 is random
 guessing, 1 perfect -- a dimension's score is the mean over its tasks and the overall score the
 mean over dimensions (eval/dimensions.py says which metric, chance and best each task has).
+Every score has its standard error and 95 % interval, from each item's value (eval/scores.py).
 
 A run that starts from a pretrained base (`model.init_from`) has the base evaluated too, on the
 same items (the same suite, limits and few-shot examples): its scores sit beside the run's in
-every output -- `base/...` and `versus_base/...` (the run's score minus the base's) in
+every output -- `base/...` and `versus_base/...` (the run's score minus the base's, paired on
+the shared items) in
 metrics.json and MLflow, `base` and `versus_base` in report.json, the base's bars beside the
 run's in the chart. A base's scores are cached under $FORGELINE_CACHE/evals by its weights'
 sha256 and the suite's fingerprint (eval/suite.py), so the runs continued from one base
 evaluate it once.
 
-Output (`eval.out_dir`): `report.json` (scores per dimension and task), `metrics.json` (flat;
-the DVC metrics file), `lm_eval_results.json` (lm-eval's results per dimension),
-`dimensions.png` (a chart of the dimension scores), `tasks/` (the rendered task YAMLs that ran).
+Output (`eval.out_dir`): `report.json` (scores per dimension and task, with intervals),
+`metrics.json` (flat, standard errors under `stderr/`; the DVC metrics file),
+`lm_eval_results.json` (lm-eval's results per dimension), `items.json` (each task's metric per
+item, by item id: the model's and the base's), `dimensions.png` (a chart of the dimension
+scores), `tasks/` (the rendered task YAMLs that ran).
 """
 
 from __future__ import annotations
@@ -132,7 +136,8 @@ def eval_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> EvalR
 
 
 def record_eval(cfg: Config, run: RunTracker, parent: RunTracker | None, result: EvalResult) -> None:
-    """Every score, the report, lm-eval's results and the chart; the scores and chart on the parent."""
+    """Every score, the report, lm-eval's results, the per-item values and the chart; the scores
+    and chart on the parent."""
     run.log_metrics(result.metrics)
     for name in (REPORT_NAME, RESULTS_NAME, ITEMS_NAME, CHART_NAME):
         run.log_artifact(Path(result.out_dir) / name, "eval")
