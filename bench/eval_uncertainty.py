@@ -38,7 +38,7 @@ from results_file import write_results  # noqa: E402
 
 from forgeline.eval.lm import ForgelineLM  # noqa: E402
 from forgeline.eval.scores import aggregate, flatten_scores  # noqa: E402
-from forgeline.tasks.evaluate import Plan, plan_tasks, score_lm  # noqa: E402
+from forgeline.tasks.evaluate import Plan, plan_scores, plan_tasks, score_lm  # noqa: E402
 
 
 def point_scores(lm: ForgelineLM, plan: Plan, task_manager: TaskManager) -> dict:
@@ -50,7 +50,7 @@ def point_scores(lm: ForgelineLM, plan: Plan, task_manager: TaskManager) -> dict
             task_manager=task_manager, log_samples=False, bootstrap_iters=0,
             random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
         raw |= flatten_scores(results["results"])
-    return aggregate(raw, {name: scores for name, (scores, _) in plan.items()})
+    return aggregate(raw, plan_scores(plan))
 
 
 def with_uncertainty(lm: ForgelineLM, plan: Plan, task_manager: TaskManager,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,10 +55,15 @@ class TaskItems:
             return None
         if score.aggregation == "mean":
             return statistics.stdev(self.values) / math.sqrt(n)
-        aggregate_values, rng = AGGREGATIONS[score.aggregation], np.random.default_rng(0)
-        draws = [aggregate_values([self.values[i] for i in rng.integers(0, n, n)])
-                 for _ in range(BOOTSTRAP_ITERS)]
-        return float(np.std(draws, ddof=1))
+        aggregate_values = AGGREGATIONS[score.aggregation]
+        return bootstrap_stderr(lambda picked: aggregate_values([self.values[i] for i in picked]), n)
+
+
+def bootstrap_stderr(statistic: Callable[[np.ndarray], float], n: int) -> float:
+    """The standard deviation of `statistic` over BOOTSTRAP_ITERS seeded resamples of n item
+    indices (drawn with replacement)."""
+    rng = np.random.default_rng(0)
+    return float(np.std([statistic(rng.integers(0, n, n)) for _ in range(BOOTSTRAP_ITERS)], ddof=1))
 
 
 def paired_difference(a: TaskItems, b: TaskItems, score: TaskScore) -> dict:
@@ -85,14 +91,9 @@ def paired_difference(a: TaskItems, b: TaskItems, score: TaskScore) -> dict:
         stderr = None
     elif score.aggregation == "mean":
         stderr = statistics.stdev(x - y for x, y in pairs) / math.sqrt(n)
-    else:
-        rng = np.random.default_rng(0)
-        draws = []
-        for _ in range(BOOTSTRAP_ITERS):
-            picked = rng.integers(0, n, n)
-            draws.append(aggregate_values([ours[i] for i in picked])
-                         - aggregate_values([others[i] for i in picked]))
-        stderr = float(np.std(draws, ddof=1))
+    else:  # the same items drawn from both
+        stderr = bootstrap_stderr(lambda picked: aggregate_values([ours[i] for i in picked])
+                                  - aggregate_values([others[i] for i in picked]), n)
     return {"difference": difference, "stderr": stderr, "shared": n}
 
 

@@ -268,10 +268,12 @@ def run_pipeline(args: argparse.Namespace) -> int:
     print(f"MLflow run: {result.run_id}")
     print(f"Registered model: {result.model_name} version {result.model_version}")
     print(f"Promotion: {result.promotion}")
+    from forgeline.eval.scores import Z95  # imported already: the flow ran in this process
+
     base = result.base_dimensions or {}
 
-    def interval(key: str) -> str:  # the half-width of the 95 % interval (eval/scores.py Z95)
-        return f" ± {1.96 * result.stderrs[key]:.3f}" if key in result.stderrs else ""
+    def interval(key: str) -> str:  # the half-width of the 95 % interval
+        return f" ± {Z95 * result.stderrs[key]:.3f}" if key in result.stderrs else ""
 
     print(f"Eval (chance-normalized, 0 = chance, 1 = best; ± 95 % interval): overall {result.overall:.3f}"
           + interval("overall") + (f" (its base {result.base_overall:.3f})" if base else ""))

@@ -30,7 +30,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import lm_eval
@@ -149,6 +149,11 @@ def record_eval(cfg: Config, run: RunTracker, parent: RunTracker | None, result:
 Plan = dict[str, tuple[list[TaskScore], DimensionConfig]]
 
 
+def plan_scores(plan: Plan) -> dict[str, list[TaskScore]]:
+    """The plan's scored tasks per dimension, without their limits and few-shot counts."""
+    return {name: scores for name, (scores, _) in plan.items()}
+
+
 @dataclass
 class ModelScores:
     """One model's evaluation: flat metrics, each planned task's per-item values, lm-eval's
@@ -159,7 +164,7 @@ class ModelScores:
 
     def report(self, plan: Plan) -> dict:
         """Scores per task, dimension and overall, with standard errors and 95 % intervals."""
-        scores = {name: scores for name, (scores, _) in plan.items()}
+        scores = plan_scores(plan)
         stderrs = {f"{s.task}/{s.metric}": self.items[s.task].stderr(s) for ss in scores.values() for s in ss}
         return aggregate(self.raw, scores, stderrs)
 
@@ -186,9 +191,8 @@ def evaluate_model(cfg: Config) -> EvalResult:
     if cfg.model.init_from:
         base = resolve_base(cfg)
         base_scored = base_scores(base, cfg.eval, plan, task_manager, suite_fingerprint(suite_dir, data_dir))
-        scores = {name: scores for name, (scores, _) in plan.items()}
         result = beside_base(result, report, base, base_scored.report(plan), base_scored.raw,
-                             paired_comparison(scored.items, base_scored.items, scores))
+                             paired_comparison(scored.items, base_scored.items, plan_scores(plan)))
         items["base"] = base_scored.items_record(plan)
     write_text_atomic(out_dir / RESULTS_NAME,
                       json.dumps(scored.lm_eval_results, indent=2, sort_keys=True, default=str) + "\n")
@@ -261,7 +265,7 @@ def base_scores(base: Base, ecfg: EvalConfig, plan: Plan, task_manager: TaskMana
     log.info("evaluating the base %s on the same items", base.uri)
     source = {"checkpoint" if base.is_checkpoint else "hf": str(base.weights)}
     scored = score_model(source | {"tokenizer": str(base.tokenizer)}, ecfg, plan, task_manager)
-    items = {task: {"ids": entry.ids, "values": entry.values} for task, entry in scored.items.items()}
+    items = {task: asdict(entry) for task, entry in scored.items.items()}
     write_text_atomic(cached, json.dumps({"base": base.lineage(), "suite": suite, "plan": plan_key,
                                           "metrics": scored.raw, "items": items}, sort_keys=True) + "\n")
     return scored
