@@ -28,7 +28,7 @@ less than 0.001).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from forgeline.configs.schema import DIMENSIONS
 
@@ -91,3 +91,14 @@ DIMENSION_TASKS: dict[str, tuple[TaskScore, ...]] = {
 if tuple(DIMENSION_TASKS) != DIMENSIONS:
     raise AssertionError(f"DIMENSION_TASKS covers {tuple(DIMENSION_TASKS)}, the config's dimensions are "
                          f"{DIMENSIONS}")
+
+
+def task_score(task: str) -> TaskScore:
+    """The registered score of a task by its lm-eval name (forgeline's or the hub task's)."""
+    for scores in DIMENSION_TASKS.values():
+        for score in scores:
+            if task == score.task:
+                return score
+            if task == score.hub_task:
+                return replace(score, task=task)
+    raise KeyError(f"{task} is not a registered task (eval/dimensions.py)")

@@ -27,6 +27,7 @@ from forgeline.eval.tasks.forgeline_safety import icat
 AGGREGATIONS = {"mean": statistics.fmean, "bits_per_byte": bits_per_byte, "icat": icat}
 BOOTSTRAP_ITERS = 1000
 Z95 = 1.959964
+Z80_POWER = 0.841621  # the one-sided normal quantile of 80 % power
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,12 @@ def paired_comparison(a: dict[str, TaskItems], b: dict[str, TaskItems],
 
 def interval(score: float, stderr: float | None) -> list[float] | None:
     return None if stderr is None else [score - Z95 * stderr, score + Z95 * stderr]
+
+
+def detectable_difference(stderr: float) -> float:
+    """The minimum detectable difference: the smallest true difference that a two-sided test at
+    5 % with this standard error finds with 80 % power."""
+    return (Z95 + Z80_POWER) * stderr
 
 
 def combined_stderr(stderrs: list[float | None]) -> float | None:

@@ -432,16 +432,19 @@ def promote_version(args: argparse.Namespace) -> int:
     cfg, client = registry_client(args)
     version = args.version or client.get_model_version_by_alias(cfg.registry.model_name,
                                                                  CANDIDATE_ALIAS).version
-    decision = promote(client, cfg.registry, str(version), force=args.force)
+    decision = promote(cfg, client, str(version), force=args.force)
     print(decision.describe())
     return 0 if decision.promoted else 1
 
 
 def compare_runs(args: argparse.Namespace) -> int:
-    from forgeline.tasks.compare import compare_runs, format_comparison
+    from forgeline.tasks.compare import compare_runs, format_comparison, paired_against_first
 
     _, client = registry_client(args)
     print(format_comparison(compare_runs(client, args.run_ids), args.diff_only))
+    if len(args.run_ids) > 1:
+        print()
+        print(paired_against_first(client, args.run_ids))
     return 0
 
 

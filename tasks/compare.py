@@ -1,11 +1,21 @@
 """Runs side by side, as MLflow's compare view shows them: one column per run, one row per
-param and per metric (its latest value), a row marked where the runs differ."""
+param and per metric (its latest value), a row marked where the runs differ; then each run's
+evaluation against the first's, paired item by item on the items both evaluated (the same
+comparison as the promotion gate's, tasks/promote.py)."""
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
+import mlflow
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from forgeline.eval.dimensions import TaskScore
+from forgeline.eval.scores import paired_comparison
+from forgeline.tasks.evaluate import ITEMS_NAME, EvaluatedItems
 
 MISSING = "-"
 
@@ -45,3 +55,75 @@ def format_comparison(comparison: Comparison, diff_only: bool) -> str:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
                      for row in [header, *rows])
+
+
+ITEMS_ARTIFACT = f"eval/{ITEMS_NAME}"  # logged by the eval stage's run and with a registered version's
+
+
+def logged_items(client: MlflowClient, run_id: str) -> EvaluatedItems | None:
+    """The per-item eval results logged with a run (an eval or register stage run), or with its
+    eval child (a pipeline run); None where there are none."""
+    runs = [run_id] + [child.info.run_id for child in client.search_runs(
+        [client.get_run(run_id).info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")]
+    for candidate in runs:
+        with tempfile.TemporaryDirectory() as scratch:
+            try:
+                path = mlflow.artifacts.download_artifacts(run_id=candidate, artifact_path=ITEMS_ARTIFACT,
+                                                           dst_path=scratch, tracking_uri=client.tracking_uri)
+                return EvaluatedItems.read(Path(path))
+            except (MlflowException, OSError, ValueError):
+                continue
+    return None
+
+
+def shared_plan(a: EvaluatedItems, b: EvaluatedItems) -> dict[str, list[TaskScore]]:
+    """`a`'s scored tasks that `b` evaluated too, with as many few-shot examples."""
+    fewshot = {task: entry["num_fewshot"] for entry in b.plan.values() for task in entry["tasks"]}
+    plan = {name: [score for score in scores if fewshot.get(score.task) == a.plan[name]["num_fewshot"]]
+            for name, scores in a.scores().items()}
+    return {name: scores for name, scores in plan.items() if scores}
+
+
+def paired_against_first(client: MlflowClient, run_ids: list[str]) -> str:
+    """Each run's scores minus the first run's, per dimension and overall, paired on the items
+    both evaluated, with 95 % intervals and the number of shared items."""
+    items = {run_id: logged_items(client, run_id) for run_id in run_ids}
+    first = items[run_ids[0]]
+    if first is None:
+        return f"not paired item by item: run {run_ids[0]} has no per-item eval results"
+    lines = []
+    for run_id in run_ids[1:]:
+        other = items[run_id]
+        if other is None:
+            lines.append(f"{run_id} - {run_ids[0]}: not paired, {run_id} has no per-item eval results")
+            continue
+        if other.suite != first.suite:
+            lines.append(f"{run_id} - {run_ids[0]}: not paired, evaluated under different suites "
+                         f"(fingerprints {other.suite[:12]} and {first.suite[:12]}): the same item may "
+                         "be scored differently")
+            continue
+        plan = shared_plan(other, first)
+        if not plan:
+            lines.append(f"{run_id} - {run_ids[0]}: not paired, no task was evaluated alike by both")
+            continue
+        comparison = paired_comparison(other.items, first.items, plan)
+        lines.append(format_paired(f"{run_id} - {run_ids[0]}", comparison))
+    return "\n\n".join(lines)
+
+
+def format_paired(title: str, comparison: dict) -> str:
+    """A dimension per row: the difference, its 95 % interval and the items it rests on."""
+    def row(name: str, difference: float | None, ci95: list[float] | None, shared: int) -> list[str]:
+        interval = "-" if ci95 is None else f"[{ci95[0]:+.4f}, {ci95[1]:+.4f}]"
+        return [name, "-" if difference is None else f"{difference:+.4f}", interval, str(shared)]
+
+    rows = [["", "difference", "95 % interval", "shared items"]]
+    for name, entry in comparison["dimensions"].items():
+        rows.append(row(name, entry["difference"], entry["ci95"],
+                        sum(task["shared"] for task in entry["tasks"].values())))
+    rows.append(row("overall", comparison["overall"], comparison["overall_ci95"],
+                    sum(comparison["shared_items"].values())))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    table = ["  ".join(cell.ljust(width) for cell, width in zip(r, widths, strict=True)).rstrip()
+             for r in rows]
+    return "\n".join([f"paired on shared items, {title}:", *table])

@@ -29,6 +29,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -39,9 +40,17 @@ from matplotlib.figure import Figure
 
 from forgeline.configs import Config
 from forgeline.configs.schema import DimensionConfig, EvalConfig
-from forgeline.eval.dimensions import DIMENSION_TASKS, TaskScore
+from forgeline.eval.dimensions import DIMENSION_TASKS, TaskScore, task_score
 from forgeline.eval.lm import ForgelineLM
-from forgeline.eval.scores import Z95, TaskItems, aggregate, flatten_scores, paired_comparison, stderr_metrics
+from forgeline.eval.scores import (
+    Z95,
+    TaskItems,
+    aggregate,
+    detectable_difference,
+    flatten_scores,
+    paired_comparison,
+    stderr_metrics,
+)
 from forgeline.eval.suite import render_suite, suite_fingerprint
 from forgeline.model.checkpoint.manager import CheckpointError, verify_checkpoint
 from forgeline.tasks.atomic import write_text_atomic
@@ -70,6 +79,9 @@ class EvalResult:
     base_dimensions: dict[str, float] | None = None
     base_stderrs: dict[str, float] = field(default_factory=dict)
     change_stderrs: dict[str, float] = field(default_factory=dict)  # of the paired run-minus-base differences
+    detectable: float | None = None
+    """The overall change this evaluation can detect against another model's on the same items
+    (detectable_overall)."""
 
     def _change(self, change: float, key: str) -> str:
         interval = f" ± {Z95 * self.change_stderrs[key]:.3f}" if key in self.change_stderrs else ""
@@ -84,7 +96,8 @@ class EvalResult:
             rows = [f"| {name} | {self._cell(score, name, self.stderrs)} |"
                     for name, score in self.dimensions.items()]
             overall = f"| **overall** | **{self._cell(self.overall, 'overall', self.stderrs)}** |"
-            return "\n".join(["| dimension | score (95 % interval) |", "|---|---|", *rows, overall])
+            return "\n".join(["| dimension | score (95 % interval) |", "|---|---|", *rows, overall]) + \
+                self._detectable()
         rows = [f"| {name} | {self._cell(score, name, self.stderrs)} | "
                 f"{self._cell(self.base_dimensions[name], name, self.base_stderrs)} | "
                 f"{self._change(score - self.base_dimensions[name], name)} |"
@@ -93,7 +106,13 @@ class EvalResult:
                    f"**{self._cell(self.base_overall, 'overall', self.base_stderrs)}** | "
                    f"**{self._change(self.overall - self.base_overall, 'overall')}** |")
         header = ["| dimension | score (95 % interval) | base | change (paired) |", "|---|---|---|---|"]
-        return "\n".join([*header, *rows, overall])
+        return "\n".join([*header, *rows, overall]) + self._detectable()
+
+    def _detectable(self) -> str:
+        if self.detectable is None:
+            return ""
+        return (f"\n\nSmallest overall change these items detect against another model (80 % power, "
+                f"5 % two-sided): {self.detectable:.3f}")
 
 
 def plan_tasks(ecfg: EvalConfig) -> dict[str, tuple[list[TaskScore], DimensionConfig]]:
@@ -174,6 +193,62 @@ class ModelScores:
                          "values": self.items[s.task].values} for scores, _ in plan.values() for s in scores}
 
 
+def plan_record(plan: Plan) -> dict[str, dict]:
+    """The plan as items.json and the score caches keep it: per dimension its tasks, limit and
+    few-shot count."""
+    return {name: {"tasks": [s.task for s in scores], "limit": dcfg.limit, "num_fewshot": dcfg.num_fewshot}
+            for name, (scores, dcfg) in plan.items()}
+
+
+@dataclass(frozen=True)
+class EvaluatedItems:
+    """One model's per-item results with the suite and plan they came from (items.json holds
+    them for the model and its base): what pairs two evaluations item by item."""
+    suite: str
+    """The suite's fingerprint (eval/suite.py): equal fingerprints mean an item scores alike."""
+    plan: dict[str, dict]
+    """plan_record's form: per dimension its tasks, limit and few-shot count."""
+    items: dict[str, TaskItems]
+
+    @classmethod
+    def read(cls, path: Path, which: str = "model") -> EvaluatedItems:
+        record = json.loads(path.read_text())
+        if "suite" not in record:
+            raise ValueError(f"{path} has no suite record: it was written before evaluations could be paired")
+        items = {task: TaskItems(ids=entry["ids"], values=entry["values"])
+                 for task, entry in record[which].items()}
+        return cls(record["suite"]["fingerprint"], record["suite"]["plan"], items)
+
+    def scores(self) -> dict[str, list[TaskScore]]:
+        """The plan's scored tasks per dimension."""
+        return {name: [task_score(task) for task in entry["tasks"]] for name, entry in self.plan.items()}
+
+    def eval_plan(self) -> Plan:
+        """The plan, to evaluate another model on these items."""
+        return {name: (scores, DimensionConfig(tasks=[s.task for s in scores], limit=self.plan[name]["limit"],
+                                                num_fewshot=self.plan[name]["num_fewshot"]))
+                for name, scores in self.scores().items()}
+
+    def unpaired(self, other: EvaluatedItems) -> list[str]:
+        """Why these results do not cover every item of `other`'s (empty: they do, and the two
+        pair on all of `other`'s items)."""
+        if self.suite != other.suite:
+            return [f"another suite (fingerprint {self.suite[:12]}, not {other.suite[:12]}: other "
+                    "tasks, held-out documents, item packages or scoring code)"]
+        fewshot = {task: entry["num_fewshot"] for entry in self.plan.values() for task in entry["tasks"]}
+        why = []
+        for entry in other.plan.values():
+            for task in entry["tasks"]:
+                if task not in self.items:
+                    why.append(f"{task} was not evaluated")
+                elif fewshot[task] != entry["num_fewshot"]:
+                    why.append(f"{task} was evaluated {fewshot[task]}-shot, not {entry['num_fewshot']}-shot")
+                elif missing := len(set(other.items[task].ids) - set(self.items[task].ids)):
+                    why.append(f"{missing} of the {len(other.items[task].ids)} items of {task} were not "
+                               "evaluated")
+        return why
+
+
 def evaluate_model(cfg: Config) -> EvalResult:
     plan = plan_tasks(cfg.eval)
     checkpoint = Path(read_train_summary(cfg).checkpoint)
@@ -184,13 +259,17 @@ def evaluate_model(cfg: Config) -> EvalResult:
     suite_dir = render_suite(out_dir / "tasks", data_dir)
     task_manager = TaskManager(include_path=str(suite_dir))
     scored = score_model(dict(checkpoint=str(checkpoint), tokenizer=str(data_dir / "tokenizer")),
-                         cfg.eval, plan, task_manager)
+                         cfg.eval.batch_size, plan, task_manager)
     report = scored.report(plan)
     result = result_of(report, scored.raw, out_dir, checkpoint)
-    items = {"model": scored.items_record(plan)}
+    suite = suite_fingerprint(suite_dir, data_dir)
+    items = {"suite": {"fingerprint": suite, "plan": plan_record(plan)}, "model": scored.items_record(plan)}
     if cfg.model.init_from:
         base = resolve_base(cfg)
-        base_scored = base_scores(base, cfg.eval, plan, task_manager, suite_fingerprint(suite_dir, data_dir))
+        base_scored = cached_scores(
+            {"base": base.sha256, "tokenizer": base.tokenizer_sha256}, f"the base {base.uri}",
+            {"checkpoint" if base.is_checkpoint else "hf": str(base.weights),
+             "tokenizer": str(base.tokenizer)}, cfg.eval.batch_size, plan, task_manager, suite)
         result = beside_base(result, report, base, base_scored.report(plan), base_scored.raw,
                              paired_comparison(scored.items, base_scored.items, plan_scores(plan)))
         items["base"] = base_scored.items_record(plan)
@@ -211,19 +290,33 @@ def stderrs_of(report: dict) -> dict[str, float]:
     return {key: value for key, value in found.items() if value is not None}
 
 
+def detectable_overall(report: dict) -> float | None:
+    """The minimum detectable difference of the overall score against another model on the same
+    items: that of a paired difference whose two sides each vary as this one does and do not
+    correlate -- an upper bound, as two models agree on items more often than not (the gate's
+    paired figure, tasks/promote.py, is the exact one)."""
+    stderr = report["overall_stderr"]
+    return None if stderr is None else detectable_difference(math.sqrt(2) * stderr)
+
+
 def result_of(report: dict, raw: dict[str, float], out_dir: Path, checkpoint: Path) -> EvalResult:
     dimensions = {name: entry["score"] for name, entry in report["dimensions"].items()}
     metrics = raw | {f"dimension/{name}": score for name, score in dimensions.items()}
     metrics |= {"overall": report["overall"]} | stderr_metrics(report)
+    detectable = detectable_overall(report)
+    if detectable is not None:
+        report["overall_detectable"] = detectable
+        metrics["detectable/overall"] = detectable
     return EvalResult(out_dir=str(out_dir), checkpoint=str(checkpoint), overall=report["overall"],
-                      dimensions=dimensions, metrics=metrics, stderrs=stderrs_of(report))
+                      dimensions=dimensions, metrics=metrics, stderrs=stderrs_of(report),
+                      detectable=detectable)
 
 
-def score_model(model_args: dict[str, str], ecfg: EvalConfig, plan: Plan,
+def score_model(model_args: dict[str, str], batch_size: int, plan: Plan,
                 task_manager: TaskManager) -> ModelScores:
     """Every planned task on one model (ForgelineLM's arguments). The model is freed on return
     (a second may be loaded next)."""
-    lm = ForgelineLM(batch_size=ecfg.batch_size, **model_args)
+    lm = ForgelineLM(batch_size=batch_size, **model_args)
     scored = score_lm(lm, plan, task_manager)
     del lm
     gc.collect()
@@ -248,25 +341,24 @@ def score_lm(lm: lm_eval.api.model.LM, plan: Plan, task_manager: TaskManager) ->
     return scored
 
 
-def base_scores(base: Base, ecfg: EvalConfig, plan: Plan, task_manager: TaskManager,
-                suite: str) -> ModelScores:
-    """The base's scores on the same items as the run's, from the cache when this base was
-    evaluated under the same suite fingerprint, plan and batch size before."""
-    plan_key = {name: ([s.task for s in scores], dcfg.limit, dcfg.num_fewshot)
-                for name, (scores, dcfg) in plan.items()}
-    key = hashlib.sha256(json.dumps([base.sha256, base.tokenizer_sha256, suite, plan_key, ecfg.batch_size],
+def cached_scores(model: dict[str, str], label: str, model_args: dict[str, str], batch_size: int,
+                  plan: Plan, task_manager: TaskManager, suite: str) -> ModelScores:
+    """A model other than the run's (a pretrained base, a registered champion) scored on the
+    planned items: from the cache under $FORGELINE_CACHE/evals when this model (`model`: what
+    identifies its weights) was scored under the same suite fingerprint, plan and batch size
+    before; else scored now (`model_args`: ForgelineLM's) and cached."""
+    key = hashlib.sha256(json.dumps([model, suite, plan_record(plan), batch_size],
                                     sort_keys=True).encode()).hexdigest()
-    cached = forgeline_cache() / "evals" / f"base-{key[:32]}.json"
+    cached = forgeline_cache() / "evals" / f"{key[:32]}.json"
     if cached.is_file():
-        log.info("the base %s on these items: scores from %s", base.uri, cached)
+        log.info("%s on these items: scores from %s", label, cached)
         record = json.loads(cached.read_text())
         return ModelScores(raw=record["metrics"], items={task: TaskItems(**entry)
                                                          for task, entry in record["items"].items()})
-    log.info("evaluating the base %s on the same items", base.uri)
-    source = {"checkpoint" if base.is_checkpoint else "hf": str(base.weights)}
-    scored = score_model(source | {"tokenizer": str(base.tokenizer)}, ecfg, plan, task_manager)
+    log.info("evaluating %s on the same items", label)
+    scored = score_model(model_args, batch_size, plan, task_manager)
     items = {task: asdict(entry) for task, entry in scored.items.items()}
-    write_text_atomic(cached, json.dumps({"base": base.lineage(), "suite": suite, "plan": plan_key,
+    write_text_atomic(cached, json.dumps({"model": model, "suite": suite, "plan": plan_record(plan),
                                           "metrics": scored.raw, "items": items}, sort_keys=True) + "\n")
     return scored
 

@@ -200,9 +200,13 @@ def registry_base(cfg: Config, name: str, alias: str | None, version: str | None
         which = f"alias @{alias}" if alias else f"version {version}"
         raise ConfigError(f"model.init_from={cfg.model.init_from}: registered model {name!r} has no {which} "
                           f"in the registry at {tracking_uri} ({err.message.splitlines()[0]})") from None
-    version = str(found.version)
-    registry = hashlib.sha256(tracking_uri.encode()).hexdigest()[:12]  # NAME/VERSION is unique per registry
-    directory = cache_dir() / "models" / registry / name / version
+    return registered_export(tracking_uri, name, str(found.version)), f"{name}/{found.version}"
+
+
+def registered_export(tracking_uri: str, name: str, version: str) -> Path:
+    """The Hugging Face export of model version NAME/VERSION in the registry at `tracking_uri`,
+    downloaded into the cache once."""
+    directory = cache_dir() / "models" / registry_key(tracking_uri) / name / version
     if not (directory / "config.json").is_file():
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{version}.tmp-", dir=directory.parent))
@@ -213,7 +217,12 @@ def registry_base(cfg: Config, name: str, alias: str | None, version: str | None
             os.replace(model_dir / pyfunc_artifact(model_dir, "hf"), directory)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return directory, f"{name}/{version}"
+    return directory
+
+
+def registry_key(tracking_uri: str) -> str:
+    """Short and stable for a registry: NAME/VERSION is unique only within one."""
+    return hashlib.sha256(tracking_uri.encode()).hexdigest()[:12]
 
 
 def pyfunc_artifact(model_dir: Path, key: str) -> str:

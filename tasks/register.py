@@ -28,7 +28,7 @@ from forgeline.configs import Config
 from forgeline.model.hf import export_hf
 from forgeline.model.inference import load_from_checkpoint
 from forgeline.tasks.atomic import write_text_atomic
-from forgeline.tasks.evaluate import read_eval_metrics
+from forgeline.tasks.evaluate import ITEMS_NAME, read_eval_metrics
 from forgeline.tasks.promote import promote
 from forgeline.tasks.tracking import DATA_VERSION_TAG, RunTracker, dvc_hash
 from forgeline.tasks.train.job import read_train_summary
@@ -89,14 +89,23 @@ def register_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> R
     scores = read_eval_metrics(cfg)
     version_tags = {DATA_VERSION_TAG: dvc_hash(cfg.data.out_dir),
                     "forgeline.checkpoint_step": str(train.step),
-                    **{f"eval.{k}": f"{v:.6g}" for k, v in scores.items()
-                       if k == "overall" or k.startswith("dimension/")}}
+                    **{f"eval.{k}": f"{v:.6g}" for k, v in scores.items() if is_version_score(k)}}
     if parent:
         version_tags["forgeline.pipeline_run_id"] = parent.run_id
+    # The per-item results go with the version (the gate pairs them with the champion's).
+    run.log_artifact(Path(cfg.eval.out_dir) / ITEMS_NAME, "eval")
     registered = register_model(cfg, run, train.checkpoint, str(Path(cfg.data.out_dir) / "tokenizer"),
                                 version_tags)
-    decision = promote(run.client, cfg.registry, registered.version)
+    registry = MlflowClient(run.client.tracking_uri, run.client.tracking_uri)
+    decision = promote(cfg, registry, registered.version)
     return replace(registered, promotion=decision.describe())
+
+
+def is_version_score(metric: str) -> bool:
+    """The eval metrics a version is tagged with: the overall and dimension scores, their standard
+    errors and the detectable difference (not every task's, nor the base's)."""
+    return metric.removeprefix("stderr/").removeprefix("detectable/") == "overall" or \
+        metric.removeprefix("stderr/").startswith("dimension/")
 
 
 def record_registration(cfg: Config, run: RunTracker, parent: RunTracker | None,

@@ -217,8 +217,9 @@ STAGES = (
         summary="a pyfunc MLflow model version over the Hugging Face export, aliased `candidate`; "
                 "the promotion gate moves `champion`",
         sections=("registry",),
-        code=("tasks/register.py", "tasks/promote.py", "model/hf.py"),
-        reads=(Upstream("data", "tokenizer"), Upstream("train"), Upstream("eval", "metrics.json")),
+        code=("tasks/register.py", "tasks/promote.py", "tasks/compare.py", "eval/scores.py", "model/hf.py"),
+        reads=(Upstream("data", "tokenizer"), Upstream("train"), Upstream("eval", "metrics.json"),
+               Upstream("eval", "items.json")),
         output="registry.out_dir",
         outputs=(Output("registered.json", cache=False),),
         done="registered.json",

@@ -1,12 +1,17 @@
-"""Eval-gated promotion against a real MLflow registry (sqlite store): one trained checkpoint is
-registered three times with different eval outcomes, through the register stage; `candidate`
-follows every new version and `champion` only the ones the gate lets through. Then
-`forgeline promote` and `forgeline compare` as a user runs them, and `mlflow models serve` of
-the champion answering a generation request."""
+"""Eval-gated promotion against a real MLflow registry (sqlite store).
+
+First one trained checkpoint is registered several times with synthetic per-item eval results of
+known effect, through the register stage: `candidate` follows every new version and `champion`
+only the ones the gate lets through; then `forgeline promote` and `forgeline compare` as a user
+runs them. Then real runs: a barely trained model, one trained longer (better by construction),
+and the latter again (identical), each trained, evaluated by lm-eval and registered; and the
+champion evaluated again when a candidate has items it lacks. Last, `mlflow models serve` of the
+champion answering a generation request."""
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import httpx
@@ -15,7 +20,9 @@ from mlflow import MlflowClient
 
 from forgeline.configs import Config
 from forgeline.flows.cli import main
-from forgeline.tasks.promote import CHAMPION_ALIAS, DECISION_TAG
+from forgeline.tasks import evaluate
+from forgeline.tasks.pretrained import CACHE_ENV
+from forgeline.tasks.promote import CHAMPION_ALIAS, DECISION_TAG, EVIDENCE_TAG_PREFIX
 from forgeline.tasks.register import CANDIDATE_ALIAS
 from forgeline.tasks.runner import run_stage
 from forgeline.tasks.stage import stage_named
@@ -26,16 +33,25 @@ from tests.integration.helpers import VENV_BIN, free_port, serving, user_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-GATE = ("registry.promotion_margin=0.01", "registry.max_dimension_regression=0.05")
+PLAN = {"math": {"tasks": ["forgeline_gsm8k"], "limit": 150, "num_fewshot": 0},
+        "code": {"tasks": ["forgeline_mbpp"], "limit": 150, "num_fewshot": 0}}
 
 
-def register_with_scores(root: Path, data_root: Path, eval_dir: str, overall: float,
-                         **dimensions: float) -> tuple[Config, str]:
-    """The register stage on the trained checkpoint under `root`, after an eval with these scores."""
-    cfg = debug_config(root, f"data.out_dir={data_root / 'data'}", f"eval.out_dir={root / eval_dir}", *GATE)
-    metrics = {"overall": overall, **{f"dimension/{k}": v for k, v in dimensions.items()}}
+def register_with_items(root: Path, data_root: Path, eval_dir: str, seed: str,
+                        **accuracy: float) -> tuple[Config, str]:
+    """The register stage on the trained checkpoint under `root`, after an eval whose items.json
+    holds 150 right/wrong answers per task drawn at these accuracies (by dimension)."""
+    cfg = debug_config(root, f"data.out_dir={data_root / 'data'}", f"eval.out_dir={root / eval_dir}")
+    rng = random.Random(seed)
+    items = {entry["tasks"][0]: {"metric": "exact_match", "aggregation": "mean",
+                                 "ids": [f"item-{i}" for i in range(150)],
+                                 "values": [float(rng.random() < accuracy[name]) for _ in range(150)]}
+             for name, entry in PLAN.items()}
+    scores = {f"dimension/{name}": sum(items[PLAN[name]["tasks"][0]]["values"]) / 150 for name in PLAN}
     (root / eval_dir).mkdir()
-    (root / eval_dir / "metrics.json").write_text(json.dumps(metrics))
+    (root / eval_dir / "items.json").write_text(json.dumps(
+        {"suite": {"fingerprint": "synthetic", "plan": PLAN}, "model": items}))
+    (root / eval_dir / "metrics.json").write_text(json.dumps({"overall": sum(scores.values()) / 2, **scores}))
     result = run_stage(stage_named("register"), cfg)
     return cfg, result.version
 
@@ -48,42 +64,122 @@ def aliases(client: MlflowClient, name: str) -> dict[str, str]:
 def test_champion_moves_only_when_the_gate_passes(tmp_path: Path, data_root: Path,
                                                   capsys: pytest.CaptureFixture) -> None:
     train_model(debug_config(tmp_path, f"data.out_dir={data_root / 'data'}", "train.peak_tflops=1"))
-    cfg, first = register_with_scores(tmp_path, data_root, "eval1", 0.30, math=0.30, code=0.30)
+    cfg, first = register_with_items(tmp_path, data_root, "eval1", "a", math=0.3, code=0.3)
     client = MlflowClient(resolve_tracking_uri(cfg), resolve_tracking_uri(cfg))
     name = cfg.registry.model_name
     assert aliases(client, name) == {CANDIDATE_ALIAS: first, CHAMPION_ALIAS: first}
+    assert client.get_model_version(name, first).tags[DECISION_TAG] == "promoted"
 
-    # Better overall, but math regresses by 0.1 (> 0.05): a candidate, not the champion.
-    _, second = register_with_scores(tmp_path, data_root, "eval2", 0.40, math=0.20, code=0.60)
+    # Much better at math, much worse at code: a candidate, not the champion.
+    _, second = register_with_items(tmp_path, data_root, "eval2", "b", math=0.9, code=0.1)
     assert aliases(client, name) == {CANDIDATE_ALIAS: second, CHAMPION_ALIAS: first}
-    assert client.get_model_version(name, second).tags[DECISION_TAG].startswith(
-        "rejected: dimension math fell 0.1000")
+    tags = client.get_model_version(name, second).tags
+    assert tags[DECISION_TAG].startswith("rejected: dimension code regressed: -0.")
+    assert tags[EVIDENCE_TAG_PREFIX + "versus"] == f"version {first}"
+    assert tags[EVIDENCE_TAG_PREFIX + "shared_items"] == "300"
+    assert tags[EVIDENCE_TAG_PREFIX + "dimension/math"].startswith("+0.")
 
-    # Overall above 0.30 + 0.01 and no dimension down more than 0.05: promoted.
-    _, third = register_with_scores(tmp_path, data_root, "eval3", 0.32, math=0.27, code=0.37)
-    assert aliases(client, name) == {CANDIDATE_ALIAS: third, CHAMPION_ALIAS: third}
-    assert client.get_model_version(name, third).tags[DECISION_TAG] == "promoted"
+    # As good as the champion, drawn again: noise, inconclusive, with what would resolve it.
+    _, third = register_with_items(tmp_path, data_root, "eval3", "c", math=0.3, code=0.3)
+    tags = client.get_model_version(name, third).tags
+    assert aliases(client, name)[CHAMPION_ALIAS] == first
+    assert tags[DECISION_TAG].startswith("inconclusive: overall ")
+    assert "the smallest overall difference these items detect" in tags[EVIDENCE_TAG_PREFIX + "resolution"]
 
-    registry = ["--config", "debug.yaml", "--set", f"registry.tracking_uri={resolve_tracking_uri(cfg)}", *(
-        arg for setting in GATE for arg in ("--set", setting))]
+    # Better in both: promoted.
+    _, fourth = register_with_items(tmp_path, data_root, "eval4", "d", math=0.6, code=0.6)
+    assert aliases(client, name) == {CANDIDATE_ALIAS: fourth, CHAMPION_ALIAS: fourth}
+    assert client.get_model_version(name, fourth).tags[DECISION_TAG].startswith("promoted: overall +0.")
+
+    registry = ["--config", "debug.yaml", "--set", f"registry.tracking_uri={resolve_tracking_uri(cfg)}"]
     # The gate still rejects version 2 against the new champion; --force rolls back to version 1.
     assert main(["promote", "--version", second, *registry]) == 1
-    assert "stays behind @champion (version 3)" in capsys.readouterr().out
+    assert f"stays behind @champion (version {fourth}), rejected: " in capsys.readouterr().out
     assert main(["promote", "--version", first, "--force", *registry]) == 0
     assert capsys.readouterr().out.startswith(f"{name} version {first} is now @champion")
     assert aliases(client, name)[CHAMPION_ALIAS] == first
 
-    runs = [client.get_model_version(name, v).run_id for v in (first, third)]
+    runs = [client.get_model_version(name, v).run_id for v in (first, fourth)]
     assert main(["compare", *runs, "--diff-only", *registry]) == 0
-    table = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out
+    table = out.splitlines()
     assert table[0].split() == runs
     assert any(line.split()[:2] == ["*", "eval.out_dir"] for line in table)
     assert not any(line.split()[1:2] == ["model.dim"] for line in table)
+    paired = out.split(f"paired on shared items, {runs[1]} - {runs[0]}:\n")[1].splitlines()
+    assert paired[0].split() == ["difference", "95", "%", "interval", "shared", "items"]
+    overall = paired[-1].split()
+    assert overall[0] == "overall" and float(overall[1]) > 0 and overall[-1] == "300"
+
+
+# Held-out bits per byte only: the one score a tiny model moves by training (the others sit at
+# chance, where two models differ by noise alone).
+HELDOUT_ONLY = "eval.dimensions={language_modeling: {tasks: [forgeline_heldout], limit: 20}}"
+
+
+def trained_evaluated_registered(root: Path, data_root: Path, registry: Path, steps: int,
+                                 *overrides: str) -> tuple[Config, str]:
+    """The train, eval and register stages for a fresh run under `root`, into one registry."""
+    cfg = debug_config(root, f"data.out_dir={data_root / 'data'}", f"train.steps={steps}",
+                       "train.peak_tflops=1", "train.warmup_steps=0", HELDOUT_ONLY,
+                       f"registry.tracking_uri=sqlite:///{registry / 'mlflow.db'}",
+                       f"registry.artifact_location={registry / 'mlartifacts'}", *overrides)
+    for stage in ("train", "eval"):
+        run_stage(stage_named(stage), cfg)
+    return cfg, run_stage(stage_named("register"), cfg).version
+
+
+def test_a_better_model_is_promoted_an_identical_one_is_not_and_a_champion_is_re_evaluated(
+        tmp_path: Path, data_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    cfg, barely = trained_evaluated_registered(tmp_path / "barely", data_root, tmp_path, steps=2)
+    client = MlflowClient(resolve_tracking_uri(cfg), resolve_tracking_uri(cfg))
+    name = cfg.registry.model_name
+    assert aliases(client, name)[CHAMPION_ALIAS] == barely
+
+    # 40 steps from the same start: lower held-out bits per byte on every document.
+    longer_cfg, longer = trained_evaluated_registered(tmp_path / "longer", data_root, tmp_path, steps=40)
+    tags = client.get_model_version(name, longer).tags
+    assert aliases(client, name)[CHAMPION_ALIAS] == longer, tags[DECISION_TAG]
+    assert tags[DECISION_TAG].startswith("promoted: overall +0.")
+
+    # The same 40 steps again (training is deterministic): identical on every item, no move.
+    _, again = trained_evaluated_registered(tmp_path / "again", data_root, tmp_path, steps=40)
+    assert aliases(client, name) == {CANDIDATE_ALIAS: again, CHAMPION_ALIAS: longer}
+    assert client.get_model_version(name, again).tags[DECISION_TAG].endswith(
+        "identical results on every shared item")
+
+    # The eval of a registered run rerun: the same scores, so no new version and no move.
+    versions = len(client.search_model_versions(f"name = '{name}'"))
+    run_stage(stage_named("eval"), longer_cfg, force=True)
+    assert run_stage(stage_named("register"), longer_cfg).version == longer
+    assert len(client.search_model_versions(f"name = '{name}'")) == versions
+    assert aliases(client, name)[CHAMPION_ALIAS] == longer
+
+    # A candidate evaluated on 30 held-out documents: the champion's 20 do not cover them, so the
+    # champion's registered export is evaluated on the 30 first -- once: the next decision reads
+    # it from the cache.
+    loads = []
+    real_lm = evaluate.ForgelineLM
+    monkeypatch.setattr(evaluate, "ForgelineLM", lambda **kwargs: loads.append(kwargs) or real_lm(**kwargs))
+    more_items = "eval.dimensions.language_modeling.limit=30"
+    _, other = trained_evaluated_registered(tmp_path / "more-items", data_root, tmp_path, 40, more_items)
+    assert [set(load) for load in loads] == [{"checkpoint", "tokenizer", "batch_size"},
+                                             {"hf", "tokenizer", "batch_size"}]  # the run's, the champion's
+    # The same weights, the champion's through its Hugging Face export: equal to rounding.
+    tags = client.get_model_version(name, other).tags
+    assert tags[DECISION_TAG].startswith("inconclusive: overall "), tags[DECISION_TAG]
+    assert abs(float(tags[EVIDENCE_TAG_PREFIX + "overall"].split()[0])) < 1e-4
+    assert tags[EVIDENCE_TAG_PREFIX + "shared_items"] == "30"
+    registry = ["--config", "debug.yaml", "--set", f"registry.tracking_uri={resolve_tracking_uri(cfg)}",
+                "--set", f"data.out_dir={data_root / 'data'}"]
+    assert main(["promote", "--version", other, *registry]) == 1
+    assert len(loads) == 2
 
 
 def test_mlflow_models_serve_answers_a_generation_request(tmp_path: Path, data_root: Path) -> None:
     train_model(debug_config(tmp_path, f"data.out_dir={data_root / 'data'}", "train.peak_tflops=1"))
-    cfg, version = register_with_scores(tmp_path, data_root, "eval", 0.3, math=0.3)
+    cfg, version = register_with_items(tmp_path, data_root, "eval", "a", math=0.3, code=0.3)
     port = free_port()
     env = user_env(tmp_path) | {"MLFLOW_TRACKING_URI": resolve_tracking_uri(cfg)}
     cmd = [str(VENV_BIN / "mlflow"), "models", "serve", "-m", f"models:/{cfg.registry.model_name}@champion",

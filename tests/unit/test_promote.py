@@ -1,32 +1,145 @@
-"""The promotion gate as a pure function; the registry side is tests/integration/test_promotion.py."""
+"""The promotion gate's rules on synthetic per-item results with known effects; the registry side
+is tests/integration/test_promotion.py."""
 
 from __future__ import annotations
 
-from forgeline.tasks.promote import Scores, gate
+import random
+
+import pytest
+
+from forgeline.eval.dimensions import task_score
+from forgeline.eval.scores import TaskItems, paired_comparison
+from forgeline.tasks.evaluate import EvaluatedItems
+from forgeline.tasks.promote import INCONCLUSIVE, PROMOTED, REJECTED, judge, resolution
+
+PLAN = {"reasoning": {"tasks": ["forgeline_piqa", "forgeline_boolq"], "limit": 200, "num_fewshot": 0},
+        "knowledge": {"tasks": ["forgeline_mmlu"], "limit": 200, "num_fewshot": 0}}
+N = 200
 
 
-def scores(overall: float, **dimensions: float) -> Scores:
-    return Scores(overall, dimensions)
+def draws(seed: str, rates: dict[str, float], n: int = N) -> dict[str, TaskItems]:
+    """Per task n right/wrong answers with the given accuracy."""
+    rng = random.Random(seed)
+    return {task: TaskItems(ids=[f"{task}-{i}" for i in range(n)],
+                            values=[float(rng.random() < rate) for _ in range(n)])
+            for task, rate in rates.items()}
 
 
-def test_a_better_version_with_no_regression_passes() -> None:
-    assert gate(scores(0.32, math=0.3, code=0.34), scores(0.30, math=0.3, code=0.3), 0.01, 0.05) == []
+def evaluated(items: dict[str, TaskItems], suite: str = "suite-1",
+              plan: dict | None = None) -> EvaluatedItems:
+    return EvaluatedItems(suite, plan or PLAN, items)
 
 
-def test_the_margin_is_required_on_top_of_the_champion() -> None:
-    [reason] = gate(scores(0.305, math=0.305), scores(0.30, math=0.30), 0.01, 0.05)
-    assert reason.startswith("overall 0.3050 < champion 0.3000 + margin 0.01")
+def verdict_of(candidate: dict[str, TaskItems], champion: dict[str, TaskItems], margin: float = 0.0,
+               max_regression: float = 0.05):
+    comparison = paired_comparison(candidate, champion, evaluated(candidate).scores())
+    return judge(comparison, list(PLAN), margin, max_regression), comparison
 
 
-def test_a_dimension_regressing_past_the_threshold_fails_even_with_a_better_overall() -> None:
-    [reason] = gate(scores(0.5, math=0.2, code=0.8), scores(0.3, math=0.3, code=0.3), 0.0, 0.05)
-    assert reason.startswith("dimension math fell 0.1000")
+CHAMPION = {"forgeline_piqa": 0.6, "forgeline_boolq": 0.6, "forgeline_mmlu": 0.4}
 
 
-def test_a_dimension_the_candidate_lacks_fails() -> None:
-    [reason] = gate(scores(0.5, code=0.5), scores(0.3, math=0.3, code=0.3), 0.0, 0.05)
-    assert "dimension math was not evaluated" in reason
+def test_a_clear_win_is_promoted() -> None:
+    better = {task: rate + 0.25 for task, rate in CHAMPION.items()}
+    verdict, comparison = verdict_of(draws("b", better), draws("a", CHAMPION))
+    assert verdict.outcome == PROMOTED, verdict.reasons
+    assert comparison["overall_ci95"][0] > 0
+    assert verdict.reasons[0].startswith("overall +")
 
 
-def test_a_negative_margin_tolerates_a_small_loss() -> None:
-    assert gate(scores(0.29, math=0.29), scores(0.30, math=0.30), -0.02, 0.05) == []
+def test_a_tie_of_two_models_with_the_same_accuracy_is_inconclusive() -> None:
+    verdict, comparison = verdict_of(draws("b", CHAMPION), draws("a", CHAMPION))
+    assert verdict.outcome == INCONCLUSIVE, verdict.reasons
+    low, high = comparison["overall_ci95"]
+    assert low < 0 < high
+
+
+def test_pure_noise_is_inconclusive_in_most_draws() -> None:
+    """Two models of one true accuracy, drawn 100 times: the gate promotes about 2.5 % of them
+    (the interval's one-sided error), rejects about as many, and calls the rest inconclusive."""
+    outcomes = [verdict_of(draws(f"b{i}", CHAMPION), draws(f"a{i}", CHAMPION))[0].outcome for i in range(100)]
+    assert outcomes.count(INCONCLUSIVE) >= 90
+    assert outcomes.count(PROMOTED) <= 6
+
+
+def test_a_significant_drop_in_one_dimension_is_rejected_even_with_a_better_overall() -> None:
+    better_reasoning_worse_knowledge = {"forgeline_piqa": 0.95, "forgeline_boolq": 0.95,
+                                        "forgeline_mmlu": 0.15}
+    verdict, comparison = verdict_of(draws("b", better_reasoning_worse_knowledge), draws("a", CHAMPION))
+    assert comparison["overall"] > 0
+    assert verdict.outcome == REJECTED
+    [reason] = verdict.reasons
+    assert reason.startswith("dimension knowledge regressed: -0.")
+    assert "worse than -0.05 with 95 % confidence" in reason
+
+
+def test_a_drop_within_the_noise_is_not_a_dimension_regression() -> None:
+    slightly_worse = {**CHAMPION, "forgeline_mmlu": 0.37}
+    verdict, comparison = verdict_of(draws("b", slightly_worse), draws("a", CHAMPION))
+    assert comparison["dimensions"]["knowledge"]["ci95"][1] > -0.05
+    assert verdict.outcome != PROMOTED
+    assert not any("regressed" in reason for reason in verdict.reasons)
+
+
+def test_a_candidate_significantly_below_the_margin_is_rejected() -> None:
+    verdict, _ = verdict_of(draws("b", {t: r - 0.3 for t, r in CHAMPION.items()}), draws("a", CHAMPION),
+                            max_regression=1.0)
+    assert verdict.outcome == REJECTED
+    assert "below the margin 0 with 95 % confidence" in verdict.reasons[0]
+
+
+def test_a_margin_raises_the_bar() -> None:
+    win = draws("b", {t: r + 0.1 for t, r in CHAMPION.items()})
+    assert verdict_of(win, draws("a", CHAMPION))[0].outcome == PROMOTED
+    assert verdict_of(win, draws("a", CHAMPION), margin=0.2)[0].outcome != PROMOTED
+
+
+def test_identical_results_are_inconclusive_even_at_a_zero_margin() -> None:
+    same = draws("a", CHAMPION)
+    verdict, comparison = verdict_of(same, same)
+    assert verdict.outcome == INCONCLUSIVE
+    assert "identical results on every shared item" in verdict.reasons[0]
+    assert resolution(comparison, PLAN, 0.0).startswith("more items cannot resolve it")
+
+
+def test_a_dimension_the_candidate_lacks_is_rejected() -> None:
+    candidate = draws("b", {"forgeline_piqa": 0.9, "forgeline_boolq": 0.9})
+    only_reasoning = {"reasoning": PLAN["reasoning"]}
+    comparison = paired_comparison(candidate, draws("a", CHAMPION),
+                                   evaluated(candidate, plan=only_reasoning).scores())
+    verdict = judge(comparison, list(PLAN), 0.0, 0.05)
+    assert verdict.outcome == REJECTED
+    assert verdict.reasons == ["dimension knowledge was not evaluated (the champion's was)"]
+
+
+def test_an_inconclusive_decision_says_which_limits_would_resolve_it() -> None:
+    small = {"reasoning": {**PLAN["reasoning"], "limit": 30}, "knowledge": {**PLAN["knowledge"], "limit": 30}}
+    candidate = draws("b", {t: r + 0.1 for t, r in CHAMPION.items()}, n=30)
+    comparison = paired_comparison(candidate, draws("a", CHAMPION, n=30),
+                                   evaluated(candidate, plan=small).scores())
+    assert judge(comparison, list(small), 0.0, 0.05).outcome == INCONCLUSIVE
+    advice = resolution(comparison, small, 0.0)
+    assert "the smallest overall difference these items detect (80 % power, 5 % two-sided) is 0." in advice
+    factor = float(advice.split("needs about ")[1].split("x")[0])
+    assert factor > 1
+    limits = dict(part.split("=") for part in advice.split("items: ")[1].split(" (")[0].split())
+    assert int(limits["eval.dimensions.reasoning.limit"]) == pytest.approx(30 * factor, abs=1)
+
+
+def test_results_pair_only_when_they_cover_the_others_items_under_the_same_suite() -> None:
+    champion = evaluated(draws("a", CHAMPION))
+    assert champion.unpaired(evaluated(draws("b", CHAMPION))) == []
+    assert champion.unpaired(evaluated(draws("b", CHAMPION), suite="suite-2"))[0].startswith("another suite")
+    more_items = evaluated(draws("b", CHAMPION, n=N + 10))
+    assert champion.unpaired(more_items) == [f"10 of the {N + 10} items of {task} were not evaluated"
+                                             for task in CHAMPION]
+    five_shot = {**PLAN, "knowledge": {**PLAN["knowledge"], "num_fewshot": 5}}
+    assert champion.unpaired(evaluated(draws("b", CHAMPION), plan=five_shot)) == [
+        "forgeline_mmlu was evaluated 0-shot, not 5-shot"]
+
+
+def test_a_hub_tasks_score_is_its_forgeline_counterparts_under_its_own_name() -> None:
+    assert task_score("arc_easy").metric == task_score("forgeline_arc_easy").metric == "acc_norm"
+    assert task_score("arc_easy").task == "arc_easy"
+    with pytest.raises(KeyError, match="not a registered task"):
+        task_score("nonsense")

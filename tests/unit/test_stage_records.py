@@ -72,10 +72,11 @@ def test_the_cache_key_is_the_records_inputs(tmp_path: Path) -> None:
         stage_named(name).done_marker(cfg).parent.mkdir(parents=True)
     (Path(cfg.data.raw_dir)).mkdir()
     (Path(cfg.data.out_dir) / "tokenizer").mkdir()
-    (Path(cfg.eval.out_dir) / "metrics.json").write_text("{}")
+    for name in ("metrics.json", "items.json"):
+        (Path(cfg.eval.out_dir) / name).write_text("{}")
     register = stage_inputs(stage_named("register"), cfg)
     assert set(register["upstream"]) == {f"{cfg.data.out_dir}/tokenizer", cfg.train.out_dir,
-                                         f"{cfg.eval.out_dir}/metrics.json"}
+                                         f"{cfg.eval.out_dir}/metrics.json", f"{cfg.eval.out_dir}/items.json"}
     assert register["external"]["tracking_uri"].startswith("sqlite:///")
     data = stage_inputs(stage_named("data"), cfg)
     assert set(data) == {"config", "code", "upstream", "sources", "params"}
