@@ -704,11 +704,13 @@ class RegistryConfig(Section):
     """Where registered.json (run id, model name and version) is written."""
 
     promotion_margin: float = 0.0
-    """Promotion gate: alias `champion` moves to a new version only if its overall eval score
-    is at least the champion's plus this (negative values tolerate a small loss)."""
+    """Promotion gate (tasks/promote.py): alias `champion` moves to a new version only if the
+    lower bound of the 95 % interval of its overall score minus the champion's, paired on the
+    same items, is at least this (negative values tolerate a small loss)."""
 
     max_dimension_regression: float = Field(0.05, ge=0)
-    """Promotion gate: ... and no dimension score is more than this below the champion's."""
+    """Promotion gate: ... and no dimension is worse than the champion's by more than this with
+    95 % confidence (the upper bound of its paired difference's interval below -this)."""
 
 
 class OpsConfig(Section):

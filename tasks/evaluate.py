@@ -5,7 +5,8 @@ dimension.
 Each task's value is chance-normalized -- (value - chance) / (best - chance): 0 is random
 guessing, 1 perfect -- a dimension's score is the mean over its tasks and the overall score the
 mean over dimensions (eval/dimensions.py says which metric, chance and best each task has).
-Every score has its standard error and 95 % interval, from each item's value (eval/scores.py).
+Every score has its standard error and 95 % interval, from each item's value (eval/scores.py),
+and the eval states the smallest overall change its items can detect (detectable_overall).
 
 A run that starts from a pretrained base (`model.init_from`) has the base evaluated too, on the
 same items (the same suite, limits and few-shot examples): its scores sit beside the run's in
@@ -19,8 +20,9 @@ evaluate it once.
 Output (`eval.out_dir`): `report.json` (scores per dimension and task, with intervals),
 `metrics.json` (flat, standard errors under `stderr/`; the DVC metrics file),
 `lm_eval_results.json` (lm-eval's results per dimension), `items.json` (each task's metric per
-item, by item id: the model's and the base's), `dimensions.png` (a chart of the dimension
-scores), `tasks/` (the rendered task YAMLs that ran).
+item, by item id: the model's and the base's, with the suite's fingerprint and the plan -- what
+pairs two evaluations, EvaluatedItems), `dimensions.png` (a chart of the dimension scores),
+`tasks/` (the rendered task YAMLs that ran).
 """
 
 from __future__ import annotations
