@@ -13,8 +13,10 @@ paired_comparison):
   - inconclusive: anything else. The decision then states the minimum detectable difference at
     the current item counts and the limits that would resolve a difference the size of d.
 The first version becomes champion (there is nothing to compare with); `--force` moves the alias
-regardless. Every decision is a set of version tags: the outcome with its reasons and the
-intervals it rests on.
+regardless. Where no comparison can be made here (the candidate has no per-item results, or the
+champion would have to be evaluated on a suite this code and data do not render), the decision
+is inconclusive, saying why: the version stays registered and the alias where it was. Every
+decision is a set of version tags: the outcome with its reasons and the intervals it rests on.
 
 The candidate's per-item results are the eval stage's items.json, logged with the version's
 run by the register stage; the champion's too. When the champion's do not cover the candidate's
@@ -49,6 +51,10 @@ CHAMPION_ALIAS = "champion"
 DECISION_TAG = "forgeline.promotion"
 EVIDENCE_TAG_PREFIX = "forgeline.promotion."  # + "versus", "overall", "dimension/<name>", "detectable"
 PROMOTED, INCONCLUSIVE, REJECTED = "promoted", "inconclusive", "rejected"
+
+
+class Unpaired(ValueError):
+    """The candidate's items cannot be paired with the champion's results here."""
 
 
 @dataclass(frozen=True)
@@ -173,11 +179,11 @@ def champion_on_items(cfg: Config, client: MlflowClient, champion: ModelVersion,
         suite_dir = render_suite(Path(scratch) / "tasks", data_dir)
         here = suite_fingerprint(suite_dir, data_dir)
         if here != candidate.suite:
-            raise ValueError(f"the {label} must be evaluated on the candidate's items ({'; '.join(why)}), "
-                             f"but the suite here (fingerprint {here[:12]}, from this code and {data_dir}) "
-                             f"is not the candidate's ({candidate.suite[:12]}): run the gate with the "
-                             "candidate's code and data.out_dir, or re-run the candidate's eval and register "
-                             "stages")
+            raise Unpaired(f"the {label} must be evaluated on the candidate's items ({'; '.join(why)}), "
+                           f"but the suite here (fingerprint {here[:12]}, from this code and {data_dir}) "
+                           f"is not the candidate's ({candidate.suite[:12]}): run `forgeline promote` with "
+                           "the candidate's code and data.out_dir, or re-run the candidate's eval and "
+                           "register stages")
         export = registered_export(client.tracking_uri, champion.name, str(champion.version))
         model = {"registry": registry_key(client.tracking_uri), "model": champion.name,
                  "version": str(champion.version), "run": champion.run_id}
@@ -203,11 +209,14 @@ def decide(cfg: Config, client: MlflowClient, candidate: ModelVersion,
            champion: ModelVersion) -> tuple[Decision, dict[str, str]]:
     """The gate on `candidate` against `champion`: the decision and its evidence tags."""
     candidate_items = version_items(client, candidate)
-    if candidate_items is None:
-        raise ValueError(f"{candidate.name} version {candidate.version} has no per-item eval results "
-                         f"({ITEMS_ARTIFACT} of run {candidate.run_id}): re-run its eval and register "
-                         "stages, or move the alias with --force")
-    champion_items = champion_on_items(cfg, client, champion, candidate_items)
+    try:
+        if candidate_items is None:
+            raise Unpaired(f"it has no per-item eval results ({ITEMS_ARTIFACT} of run {candidate.run_id}): "
+                           "re-run its eval and register stages, or move the alias with --force")
+        champion_items = champion_on_items(cfg, client, champion, candidate_items)
+    except Unpaired as err:  # no evidence either way: the version stays registered, the alias stays
+        return Decision(candidate.name, str(candidate.version), str(champion.version), INCONCLUSIVE,
+                        [f"not compared: {err}"]), {}
     comparison = paired_comparison(candidate_items.items, champion_items.items, candidate_items.scores())
     rcfg = cfg.registry
     verdict = judge(comparison, list(champion_items.plan), rcfg.promotion_margin,

@@ -37,10 +37,11 @@ PLAN = {"math": {"tasks": ["forgeline_gsm8k"], "limit": 150, "num_fewshot": 0},
         "code": {"tasks": ["forgeline_mbpp"], "limit": 150, "num_fewshot": 0}}
 
 
-def register_with_items(root: Path, data_root: Path, eval_dir: str, seed: str,
+def register_with_items(root: Path, data_root: Path, eval_dir: str, seed: str, suite: str = "synthetic",
                         **accuracy: float) -> tuple[Config, str]:
     """The register stage on the trained checkpoint under `root`, after an eval whose items.json
-    holds 150 right/wrong answers per task drawn at these accuracies (by dimension)."""
+    holds 150 right/wrong answers per task drawn at these accuracies (by dimension), scored under
+    suite fingerprint `suite`."""
     cfg = debug_config(root, f"data.out_dir={data_root / 'data'}", f"eval.out_dir={root / eval_dir}")
     rng = random.Random(seed)
     items = {entry["tasks"][0]: {"metric": "exact_match", "aggregation": "mean",
@@ -50,7 +51,7 @@ def register_with_items(root: Path, data_root: Path, eval_dir: str, seed: str,
     scores = {f"dimension/{name}": sum(items[PLAN[name]["tasks"][0]]["values"]) / 150 for name in PLAN}
     (root / eval_dir).mkdir()
     (root / eval_dir / "items.json").write_text(json.dumps(
-        {"suite": {"fingerprint": "synthetic", "plan": PLAN}, "model": items}))
+        {"suite": {"fingerprint": suite, "plan": PLAN}, "model": items}))
     (root / eval_dir / "metrics.json").write_text(json.dumps({"overall": sum(scores.values()) / 2, **scores}))
     result = run_stage(stage_named("register"), cfg)
     return cfg, result.version
@@ -90,6 +91,14 @@ def test_champion_moves_only_when_the_gate_passes(tmp_path: Path, data_root: Pat
     _, fourth = register_with_items(tmp_path, data_root, "eval4", "d", math=0.6, code=0.6)
     assert aliases(client, name) == {CANDIDATE_ALIAS: fourth, CHAMPION_ALIAS: fourth}
     assert client.get_model_version(name, fourth).tags[DECISION_TAG].startswith("promoted: overall +0.")
+
+    # Evaluated under a suite this code and data do not render: the champion cannot be evaluated
+    # on its items, so nothing is compared -- the version stays registered, the champion stays.
+    _, fifth = register_with_items(tmp_path, data_root, "eval5", "e", suite="elsewhere", math=0.9, code=0.9)
+    assert aliases(client, name) == {CANDIDATE_ALIAS: fifth, CHAMPION_ALIAS: fourth}
+    assert client.get_model_version(name, fifth).tags[DECISION_TAG].startswith(
+        f"inconclusive: not compared: the champion {name}/{fourth} must be evaluated on the candidate's "
+        "items (another suite")
 
     registry = ["--config", "debug.yaml", "--set", f"registry.tracking_uri={resolve_tracking_uri(cfg)}"]
     # The gate still rejects version 2 against the new champion; --force rolls back to version 1.
