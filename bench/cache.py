@@ -27,6 +27,7 @@ from results_file import write_results  # noqa: E402  (bench/, the script's own 
 
 from forgeline.configs import load_config  # noqa: E402
 from forgeline.tasks.cache import CACHE_TAG  # noqa: E402
+from forgeline.tasks.runner import STAGE_TAG  # noqa: E402
 from forgeline.tasks.stage import STAGE_NAMES  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
@@ -52,7 +53,7 @@ def stage_cache_states(workdir: Path, config: str, parent_run_id: str) -> dict[s
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     experiment = client.get_experiment_by_name(cfg.registry.experiment).experiment_id
     children = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent_run_id}'")
-    return {run.info.run_name: run.data.tags.get(CACHE_TAG, "none") for run in children}
+    return {run.data.tags[STAGE_TAG]: run.data.tags.get(CACHE_TAG, "none") for run in children}
 
 
 def main() -> None:

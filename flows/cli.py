@@ -279,6 +279,9 @@ def run_pipeline(args: argparse.Namespace) -> int:
           + interval("overall") + (f" (its base {result.base_overall:.3f})" if base else ""))
     for name, score in result.dimensions.items():
         print(f"  {name}: {score:.3f}" + interval(name) + (f" (base {base[name]:.3f})" if base else ""))
+    if result.detectable is not None:
+        print(f"Smallest overall change these items detect against another model (80 % power, 5 % "
+              f"two-sided): {result.detectable:.3f}")
     return 0
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prefect import flow
-from prefect.runtime import flow_run
 
 from forgeline.configs import Config
 from forgeline.configs.environment import apply_environment_defaults
@@ -14,7 +13,7 @@ from forgeline.flows.hooks import flow_config, notify_failure, prefect_tags
 from forgeline.flows.stage_flows import configured_task
 from forgeline.tasks.reproduce import REPRODUCED_STAGES, REPRODUCES_TAG
 from forgeline.tasks.stage import STAGES
-from forgeline.tasks.tracking import tracked_run
+from forgeline.tasks.tracking import run_name, tracked_run
 
 
 @dataclass(frozen=True)
@@ -28,6 +27,7 @@ class PipelineResult:
     stderrs: dict[str, float] = field(default_factory=dict)  # "overall" and each dimension's
     base_overall: float | None = None  # the pretrained base's (model.init_from), on the same items
     base_dimensions: dict[str, float] | None = None
+    detectable: float | None = None  # the smallest overall change the eval's items detect
 
 
 @flow(name="forgeline-pipeline", on_failure=[notify_failure])
@@ -39,14 +39,15 @@ def pipeline_flow(config: Config | str | None = None, overrides: list[str] | Non
     verify."""
     apply_environment_defaults()
     cfg = flow_config(config, overrides)
-    with tracked_run(cfg, f"pipeline-{flow_run.name}", tags=prefect_tags()) as parent:
+    with tracked_run(cfg, run_name("pipeline", cfg, with_layout=True), tags=prefect_tags()) as parent:
         results = {stage.name: configured_task(stage, cfg)(cfg, parent.run_id, force) for stage in STAGES}
     registered, evaluation = results["register"], results["eval"]
     return PipelineResult(run_id=parent.run_id, model_name=registered.model_name,
                           model_version=registered.version, promotion=registered.promotion,
                           overall=evaluation.overall, dimensions=evaluation.dimensions,
                           stderrs=evaluation.stderrs,
-                          base_overall=evaluation.base_overall, base_dimensions=evaluation.base_dimensions)
+                          base_overall=evaluation.base_overall, base_dimensions=evaluation.base_dimensions,
+                          detectable=evaluation.detectable)
 
 
 @flow(name="forgeline-reproduce", on_failure=[notify_failure])
@@ -56,7 +57,7 @@ def reproduce_flow(config: str, overrides: list[str], reproduces: str) -> tuple[
     apply_environment_defaults()
     cfg = flow_config(config, overrides)
     tags = prefect_tags() | {REPRODUCES_TAG: reproduces}
-    with tracked_run(cfg, f"reproduce-{flow_run.name}", tags=tags) as parent:
+    with tracked_run(cfg, run_name("reproduce", cfg, with_layout=True), tags=tags) as parent:
         results = {stage.name: configured_task(stage, cfg)(cfg, parent.run_id, True)
                    for stage in STAGES if stage.name in REPRODUCED_STAGES}
     return parent.run_id, results["eval"].metrics

@@ -13,15 +13,15 @@ from prefect import Flow, Task, flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
-from prefect.runtime import flow_run, task_run
+from prefect.runtime import task_run
 from prefect.tasks import exponential_backoff
 
 from forgeline.configs import Config
 from forgeline.configs.environment import apply_environment_defaults
 from forgeline.flows.hooks import flow_config, notify_failure, prefect_tags
-from forgeline.tasks.runner import UPSTREAM_RUN_TAG, run_stage, upstream_outputs
+from forgeline.tasks.runner import UPSTREAM_RUN_TAG, reads_layout, run_stage, upstream_outputs
 from forgeline.tasks.stage import STAGE_NAMES, STAGES, Stage, resolve, stage_named
-from forgeline.tasks.tracking import tracked_run
+from forgeline.tasks.tracking import run_name, tracked_run
 
 
 def stage_task(stage: Stage) -> Task:
@@ -72,7 +72,8 @@ def run_one_stage(stage: Stage, config: Config | str | None, overrides: list[str
         if not isinstance(config, Config):
             cfg = cfg.with_values(upstream_outputs(cfg, stage, upstream_run))
         tags[UPSTREAM_RUN_TAG] = upstream_run
-    with tracked_run(cfg, f"{stage.name}-{flow_run.name}", tags=tags) as parent:
+    # `stage train ...` holds the nested `train ...` run, as `pipeline ...` holds all four.
+    with tracked_run(cfg, run_name(f"stage {stage.name}", cfg, reads_layout(stage)), tags=tags) as parent:
         return configured_task(stage, cfg)(cfg, parent.run_id, force, from_snapshot)
 
 

@@ -13,9 +13,10 @@ from mlflow import MlflowClient
 from forgeline.configs import Config
 from forgeline.tasks.cache import out_dir_tag, outputs_tag, run_cached
 from forgeline.tasks.stage import Stage, resolve, stage_named
-from forgeline.tasks.tracking import RunTracker, dvc_hash, resolve_tracking_uri, tracked_run
+from forgeline.tasks.tracking import RunTracker, dvc_hash, resolve_tracking_uri, run_name, tracked_run
 
 UPSTREAM_RUN_TAG = "forgeline.upstream_run"
+STAGE_TAG = "forgeline.stage"  # the stage a stage run ran: find runs by it, not by their names
 
 
 class MissingInputError(FileNotFoundError):
@@ -70,6 +71,11 @@ def upstream_outputs(cfg: Config, stage: Stage, run_id: str) -> dict[str, str]:
     return fields
 
 
+def reads_layout(stage: Stage) -> bool:
+    """Whether the parallel layout is part of what `stage` computes (its run names the layout)."""
+    return "parallel" in stage.sections
+
+
 def run_stage(stage: Stage, cfg: Config, parent_run_id: str | None = None, force: bool = False,
               run_key: str | None = None, from_snapshot: bool = False) -> Any:
     """Run `stage` as an MLflow run: its checks, the snapshot it builds from (taken on every run,
@@ -80,7 +86,8 @@ def run_stage(stage: Stage, cfg: Config, parent_run_id: str | None = None, force
     client = MlflowClient(resolve_tracking_uri(cfg))
     parent = None if parent_run_id is None else RunTracker(client, parent_run_id)
     function = resolve(stage.function)
-    with tracked_run(cfg, stage.name, parent_run_id, run_key=run_key) as run:
+    name = run_name(stage.name, cfg, with_layout=reads_layout(stage))
+    with tracked_run(cfg, name, parent_run_id, tags={STAGE_TAG: stage.name}, run_key=run_key) as run:
         run.log_params({k: v for k, v in cfg.flat().items()
                         if k.split(".")[0] in stage.sections or k in stage.params})
         if stage.snapshot is not None and not from_snapshot:

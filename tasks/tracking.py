@@ -41,6 +41,11 @@ RAW_VERSION_TAG = "forgeline.data.raw_dvc_md5"
 DATASET_NAME = "forgeline-data"  # the MLflow dataset; its digest is the DVC hash of data.out_dir
 RUN_KEY_TAG = "forgeline.run_key"  # identifies the work a run records, across retries
 ATTEMPT_TAG = "forgeline.attempts"
+# The experiment kind MLflow's UI writes when a user picks one: `custom_model_development`
+# ("Machine learning") opens the experiment on its runs in UIs that read it (the kind selector's
+# code path in the bundled JS). MLflow 3.17's UI decides by its sidebar switch instead (`?workflowType=`).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
 MAX_PARAMS_PER_BATCH = 100
 SYSTEM_METRICS_INTERVAL_S = 5
 REDACTED = "***"
@@ -140,16 +145,47 @@ class RunTracker:
 
 
 def experiment_id(client: MlflowClient, cfg: Config) -> str:
+    """The id of the experiment `cfg` logs to, created if missing; marked as holding training
+    runs unless its kind is set already (an older forgeline created it without, or the user
+    chose one in the UI)."""
     name = cfg.registry.experiment
     found = client.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
-    try:
-        return client.create_experiment(
-            name, artifact_location=resolve_artifact_location(cfg.registry.artifact_location)
-        )
-    except MlflowException:  # created concurrently by another process
-        return client.get_experiment_by_name(name).experiment_id
+    if found is None:
+        try:
+            return client.create_experiment(
+                name, artifact_location=resolve_artifact_location(cfg.registry.artifact_location),
+                tags={EXPERIMENT_KIND_TAG: TRAINING_KIND})
+        except MlflowException:  # created concurrently by another process
+            found = client.get_experiment_by_name(name)
+    if EXPERIMENT_KIND_TAG not in found.tags:
+        client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
+    return found.experiment_id
+
+
+def layout_label(cfg: Config) -> str:
+    """The parallel layout in a few characters: `dp1` on one rank, `pp2xdp2`, `dp4xtp2` (dp counts
+    every data-parallel rank, replicated or sharded; the `forgeline.layout` tag splits it)."""
+    par = cfg.parallel
+    degrees = [f"pp{par.pp}"] if par.pp > 1 else []
+    degrees.append(f"dp{par.dp}")
+    if par.tp > 1:
+        degrees.append(f"tp{par.tp}")
+    return "x".join(degrees)
+
+
+def run_name(what: str, cfg: Config, with_layout: bool, code: dict[str, str] | None = None) -> str:
+    """A run's name that says what it is in the runs table: `what` ran (a stage, `pipeline`), for
+    which model, on which layout (`with_layout`: for the runs that train), at which commit (of
+    `code`, default this checkout's; `-dirty` with uncommitted changes):
+    `train forgeline-tiny pp2xdp2 @1a2b3c4-dirty`. The registered model's name stands for the
+    config: a Config does not know the file it was read from."""
+    code = git_info() if code is None else code
+    parts = [what, cfg.registry.model_name]
+    if with_layout:
+        parts.append(layout_label(cfg))
+    if code["git.commit"] != "unknown":
+        parts.append("@" + code["git.commit"][:7] + ("-dirty" if code["git.dirty"] == "true" else ""))
+    return " ".join(parts)
 
 
 @contextmanager

@@ -28,6 +28,7 @@ import yaml
 from mlflow import MlflowClient
 
 from forgeline.tasks.cache import CACHE_TAG
+from forgeline.tasks.runner import STAGE_TAG
 from forgeline.tasks.stage import STAGE_NAMES
 from forgeline.tasks.tracking import dvc_hash
 from tests.conftest import REPO_ROOT
@@ -156,7 +157,7 @@ def test_dvc_repro_records_the_data_version_moves_the_outputs_and_runs_experimen
     [data_out] = lock["stages"]["data"]["outs"]
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     [data_run] = client.search_runs([client.get_experiment_by_name("forgeline-debug").experiment_id],
-                                    filter_string="attributes.run_name = 'data'")
+                                    filter_string=f"tags.`{STAGE_TAG}` = 'data'")
     assert data_run.data.tags["forgeline.data.dvc_md5"] == data_out["md5"]
     metrics = json.loads((repo / "artifacts" / "eval" / "metrics.json").read_text())
     shown = json.loads(dvc(repo, "metrics", "show", "--json").stdout)
@@ -241,8 +242,8 @@ def forgeline_runs(repo: Path, known: set[str]) -> list[str]:
     runs = client.search_runs([experiment], order_by=["attributes.start_time ASC"], max_results=5000)
     for stage_run in runs:
         info, tags = stage_run.info, stage_run.data.tags
-        if info.run_id not in known and info.run_name in STAGE_NAMES and tags[CACHE_TAG] == "miss":
-            ran.append(info.run_name)
+        if info.run_id not in known and tags.get(STAGE_TAG) in STAGE_NAMES and tags[CACHE_TAG] == "miss":
+            ran.append(tags[STAGE_TAG])
         known.add(info.run_id)
     return ran
 

@@ -28,7 +28,7 @@ from forgeline.model.training.shards import read_manifest, split_shards
 from forgeline.tasks.data.build import build_dataset, train_tokenizer
 from forgeline.tasks.pretrained import CACHE_ENV
 from forgeline.tasks.register import HFGenerator
-from forgeline.tasks.runner import run_stage
+from forgeline.tasks.runner import STAGE_TAG, run_stage
 from forgeline.tasks.stage import stage_named
 from forgeline.tasks.tracking import resolve_tracking_uri
 from forgeline.tasks.train.job import TrainResult, train_model
@@ -274,9 +274,9 @@ def test_a_continued_run_is_evaluated_beside_its_base_and_its_version_serves(
     assert metrics[f"base/{bpb}"] == pytest.approx(their_bpb, rel=1e-4)
     client = MlflowClient(resolve_tracking_uri(cfg))
     [run] = client.search_runs([client.get_experiment_by_name("forgeline-debug").experiment_id],
-                               filter_string="attributes.run_name = 'eval'")
+                               filter_string=f"tags.`{STAGE_TAG}` = 'eval'")
     assert run.data.metrics["base/overall"] == pytest.approx(result.base_overall)
-    [cached] = (root / "cache" / "evals").glob("base-*.json")
+    [cached] = (root / "cache" / "evals").glob("*.json")
 
     loads = []
     real_lm = evaluate.ForgelineLM

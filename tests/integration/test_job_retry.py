@@ -10,6 +10,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from forgeline.tasks.runner import STAGE_TAG
 from tests.conftest import REPO_ROOT
 from tests.integration.helpers import VENV_BIN, prefect_flow_runs, run
 
@@ -28,7 +29,7 @@ def test_failed_job_is_retried_into_the_same_mlflow_run(data_root: Path, tmp_pat
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     [train_run] = client.search_runs([client.get_experiment_by_name("forgeline-debug").experiment_id],
-                                     filter_string="attributes.run_name = 'train'")
+                                     filter_string=f"tags.`{STAGE_TAG}` = 'train'")
     tags = train_run.data.tags
     assert train_run.info.status == "FINISHED" and tags["forgeline.attempts"] == "2"
     assert tags["forgeline.attempt.1.error"].startswith("LaunchError")

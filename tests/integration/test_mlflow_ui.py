@@ -1,7 +1,8 @@
 """The MLflow UI as a user sees it: two `forgeline run`s against a real `mlflow server` on
-127.0.0.1, opened in headless Chromium (Debian's, installed by `make browser`): both runs are in
-the experiment's run list and open side by side in the compare view, whose screenshot is saved
-as artifacts/screenshots/mlflow-compare.png (ignored by git; CI can keep it)."""
+127.0.0.1, opened in headless Chromium (Debian's, installed by `make browser`): the experiment
+opens on its runs, named by what ran; the two open side by side in the compare view, which shows
+what changed and plots each run's overall score with its standard error. Its screenshot is saved as
+artifacts/screenshots/mlflow-compare.png (ignored by git; CI can keep it)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import pytest
 from mlflow import MlflowClient
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
+from forgeline.tasks.tracking import EXPERIMENT_KIND_TAG, TRAINING_KIND
 from tests.conftest import REPO_ROOT
 from tests.integration.helpers import VENV_BIN, free_port, run, serving, user_env
 
@@ -24,6 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.slow]
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
+ASSISTANT_CLOSE = "mlflow.assistant.chat_panel.close"
 
 
 @pytest.fixture
@@ -59,20 +63,48 @@ def wait_for_text(driver: webdriver.Chrome, *texts: str, timeout: float = 90) ->
     return driver.find_element("tag name", "body").text
 
 
+def show_diff_only(driver: webdriver.Chrome, table: str) -> None:
+    """Flip the compare view's "Show diff only" switch of `table` (Parameters, Metrics, Tags)."""
+    driver.find_element("css selector", f"button[aria-label='{table} - Show diff only']").click()
+
+
+def plot_metrics(driver: webdriver.Chrome, *keys: str) -> None:
+    """Put `keys` on the compare view's parallel coordinates plot in place of the metric it
+    starts with, as a user would: remove that one, type each key into the selector, Enter."""
+    selector = driver.find_element("xpath", "//*[normalize-space(text())='Metrics:']"
+                                            "/following::div[contains(@class, 'select-selector')][1]")
+    selector.find_element("css selector", "[class*='selection-item-remove']").click()
+    for key in keys:
+        selector.click()  # opens the list of metrics
+        box = selector.find_element("css selector", "input")
+        box.send_keys(key)
+        WebDriverWait(driver, 10).until(lambda d, key=key: d.find_elements(
+            "xpath", f"//div[contains(@class, 'select-item-option-content') and text()='{key}']"))
+        box.send_keys(Keys.ENTER)
+    selector.find_element("css selector", "input").send_keys(Keys.ESCAPE)
+
+
 def test_two_pipeline_runs_open_in_the_compare_view(tmp_path: Path, mlflow_server: str,
                                                     browser: webdriver.Chrome) -> None:
     forgeline = [str(VENV_BIN / "forgeline"), "run", "--config", "debug.yaml",
                  "--set", f"registry.tracking_uri={mlflow_server}"]
     first = run(forgeline, tmp_path)
-    second = run([*forgeline, "--set", "eval.batch_size=4"], tmp_path)  # reruns eval and register only
+    # Another seed: train, eval and register rerun on the same data and eval items (the promotion
+    # gate compares on the same items), and the scores move.
+    second = run([*forgeline, "--set", "train.seed=1"], tmp_path)
     run_ids = [re.search(r"MLflow run: (\w+)", done.stdout).group(1) for done in (first, second)]
     client = MlflowClient(mlflow_server)
     runs = [client.get_run(run_id) for run_id in run_ids]
     names = [r.info.run_name for r in runs]
+    assert all(re.fullmatch(r"pipeline forgeline-debug dp1 @[0-9a-f]{7}(-dirty)?", n) for n in names), names
     experiment = runs[0].info.experiment_id
+    assert client.get_experiment(experiment).tags[EXPERIMENT_KIND_TAG] == TRAINING_KIND
+    assert runs[0].data.metrics["eval/overall"] != runs[1].data.metrics["eval/overall"]
 
-    browser.get(f"{mlflow_server}/#/experiments/{experiment}/runs")  # the "Training runs" tab
+    # The link the README gives: the experiment on its runs, not on the GenAI overview.
+    browser.get(f"{mlflow_server}/#/experiments/{experiment}?workflowType=machine_learning")
     listing = wait_for_text(browser, *names)
+    assert f"/experiments/{experiment}/runs" in browser.current_url, browser.current_url
     assert f"forgeline-data ({runs[0].data.tags['forgeline.data.dvc_md5']})" in listing  # the dataset input
 
     compare = (f"{mlflow_server}/#/compare-runs?runs={quote(json.dumps(run_ids))}"
@@ -80,8 +112,17 @@ def test_two_pipeline_runs_open_in_the_compare_view(tmp_path: Path, mlflow_serve
     browser.get(compare)
     # Params, metrics and tags side by side (the tables render the rows in view: check early ones).
     text = wait_for_text(browser, *names, "eval.batch_size", "data/documents", "forgeline.data.dvc_md5")
+    assert "Show diff only" in text and "train.steps" in text
+    for close in browser.find_elements("css selector", f"button[data-component-id='{ASSISTANT_CLOSE}']"):
+        close.click()  # the MLflow Assistant panel covers a third of the page
+    show_diff_only(browser, "Parameters")  # the seed: the one row that differs
+    # Each run's overall score and its standard error, on the plot at the top: the metrics table
+    # shows ~6 of its ~70 rows, and scrolled, its row names stay behind.
+    scores = ("eval/overall", "eval/stderr/overall")
+    plot_metrics(browser, *scores)
+    # Each axis is labelled with its two ends: the two runs' values, to 5 decimals.
+    wait_for_text(browser, *(f"{r.data.metrics[key]:.5f}" for r in runs for key in scores))
     screenshot = REPO_ROOT / "artifacts" / "screenshots" / "mlflow-compare.png"
     screenshot.parent.mkdir(parents=True, exist_ok=True)
     assert browser.save_screenshot(str(screenshot)), "no screenshot"
     assert screenshot.stat().st_size > 10_000
-    assert "Show diff only" in text and "train.steps" in text

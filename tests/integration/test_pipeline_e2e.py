@@ -13,6 +13,7 @@ from mlflow import MlflowClient
 
 from forgeline.model.fileio import sha256_file
 from forgeline.model.training.shards import read_manifest, split_shards
+from forgeline.tasks.runner import STAGE_TAG
 from forgeline.tasks.tracking import dvc_hash
 from tests.integration.helpers import VENV_BIN, prefect_flow_runs, run
 
@@ -50,7 +51,7 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     assert parent.data.metrics["train/final_loss"] > 0
     children = client.search_runs([parent.info.experiment_id],
                                   filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
-    by_name = {c.info.run_name: c for c in children}
+    by_name = {c.data.tags[STAGE_TAG]: c for c in children}
     assert set(by_name) == {"data", "train", "eval", "register"}
     assert all(c.info.status == "FINISHED" for c in children)
     assert [m.step for m in client.get_metric_history(by_name["train"].info.run_id, "loss")] == \
@@ -65,6 +66,9 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     assert re.search(r"Eval \(chance-normalized, 0 = chance, 1 = best; ± 95 % interval\): overall "
                      r"-?[0-9.]+ ± [0-9.]+", done.stdout)
     assert eval_metrics["stderr/overall"] > 0 and "stderr/dimension/reasoning" in eval_metrics
+    detectable = re.search(r"Smallest overall change these items detect against another model \(80 % power, "
+                           r"5 % two-sided\): ([0-9.]+)", done.stdout)
+    assert float(detectable.group(1)) == pytest.approx(eval_metrics["detectable/overall"], abs=1e-3)
     assert by_name["data"].data.metrics["train_samples"] == manifest["splits"]["train"]["samples"]
     # ... built from the raw snapshot its run records.
     assert by_name["data"].data.tags["forgeline.data.raw_dvc_md5"] == dvc_hash(tmp_path / "artifacts" / "raw")
@@ -100,5 +104,6 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     assert "Registered model: forgeline-debug version 1" in again.stdout
     second = client.search_runs([parent.info.experiment_id],
                                 filter_string=f"tags.mlflow.parentRunId = '{second_id}'")
-    assert {c.info.run_name: c.data.tags["forgeline.cache"] for c in second} == dict.fromkeys(by_name, "hit")
+    assert {c.data.tags[STAGE_TAG]: c.data.tags["forgeline.cache"] for c in second} == \
+        dict.fromkeys(by_name, "hit")
     assert {c.data.tags["forgeline.cache.source_run"] for c in second} == {c.info.run_id for c in children}

@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 
 from forgeline.configs import Config
 from forgeline.tasks.cache import CACHE_SOURCE_TAG, CACHE_TAG, stamp_path
-from forgeline.tasks.runner import run_stage
+from forgeline.tasks.runner import STAGE_TAG, run_stage
 from forgeline.tasks.stage import stage_named
 from forgeline.tasks.tracking import resolve_tracking_uri
 from tests.conftest import debug_config
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 def last_data_run(cfg: Config):
     client = MlflowClient(resolve_tracking_uri(cfg))
     experiment = client.get_experiment_by_name(cfg.registry.experiment).experiment_id
-    [latest] = client.search_runs([experiment], "attributes.run_name = 'data'", max_results=1,
+    [latest] = client.search_runs([experiment], f"tags.`{STAGE_TAG}` = 'data'", max_results=1,
                                   order_by=["attributes.start_time DESC"])
     return latest
 

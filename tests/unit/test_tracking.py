@@ -1,5 +1,6 @@
 """What tracking records beyond metrics: no credential reaches MLflow params, tags or the config
-artifact; the layout and dvc.lock's output hashes become tags."""
+artifact; the layout and dvc.lock's output hashes become tags; run names say what ran; the
+experiment opens on its runs in the MLflow UI."""
 
 from __future__ import annotations
 
@@ -7,9 +8,21 @@ from pathlib import Path
 
 import pytest
 import yaml
+from mlflow import MlflowClient
 
 from forgeline.configs import load_config
-from forgeline.tasks.tracking import REDACTED, redact, run_context_tags
+from forgeline.tasks.tracking import (
+    EXPERIMENT_KIND_TAG,
+    REDACTED,
+    TRAINING_KIND,
+    experiment_id,
+    layout_label,
+    redact,
+    run_context_tags,
+    run_name,
+)
+
+CLEAN = {"git.commit": "1a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d", "git.dirty": "false"}
 
 
 def test_credential_keys_are_redacted_by_their_last_part() -> None:
@@ -39,3 +52,37 @@ def test_layout_and_dvc_lock_hashes_become_tags(tmp_path: Path, monkeypatch: pyt
         {"path": "artifacts/data", "hash": "md5", "md5": "0123456789abcdef0123456789abcdef.dir"}]}}}
     (tmp_path / "dvc.lock").write_text(yaml.safe_dump(lock))
     assert run_context_tags(cfg)["dvc.lock.data.artifacts/data"] == "0123456789abcdef0123456789abcdef.dir"
+
+
+def test_a_run_name_says_what_ran_for_which_model_on_which_layout_at_which_commit() -> None:
+    cfg = load_config("tiny.yaml")
+    assert run_name("train", cfg, with_layout=True, code=CLEAN) == "train forgeline-tiny pp2xdp2 @1a2b3c4"
+    assert run_name("eval", cfg, with_layout=False, code=CLEAN | {"git.dirty": "true"}) == \
+        "eval forgeline-tiny @1a2b3c4-dirty"
+    outside_git = {"git.commit": "unknown", "git.dirty": "unknown"}
+    assert run_name("pipeline", cfg, with_layout=True, code=outside_git) == "pipeline forgeline-tiny pp2xdp2"
+
+
+@pytest.mark.parametrize(("overrides", "label"), [
+    ([], "dp1"),
+    (["parallel.dp_shard=2", "parallel.tp=2"], "dp2xtp2"),
+    (["parallel.dp_replicate=2", "parallel.dp_shard=2"], "dp4"),
+])
+def test_the_layout_label_names_the_degrees_above_one_and_always_dp(overrides: list[str], label: str) -> None:
+    assert layout_label(load_config("debug.yaml", overrides)) == label
+
+
+def test_the_experiment_is_marked_as_holding_training_runs_unless_a_kind_is_set(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+
+    def kind_after_experiment_id(name: str) -> str:
+        cfg = load_config("debug.yaml", [f"registry.tracking_uri={uri}", f"registry.experiment={name}",
+                                         f"registry.artifact_location={tmp_path / 'mlartifacts'}"])
+        return client.get_experiment(experiment_id(client, cfg)).tags[EXPERIMENT_KIND_TAG]
+
+    assert kind_after_experiment_id("new") == TRAINING_KIND
+    client.create_experiment("made-before-the-tag")
+    assert kind_after_experiment_id("made-before-the-tag") == TRAINING_KIND
+    client.create_experiment("chosen-in-the-ui", tags={EXPERIMENT_KIND_TAG: "genai_development"})
+    assert kind_after_experiment_id("chosen-in-the-ui") == "genai_development"
