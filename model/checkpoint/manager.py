@@ -1,11 +1,17 @@
 """Sharded checkpoints with torch.distributed.checkpoint and a commit protocol.
 
-A save goes to `.step-NNNNNNNN.partial/`; once every rank has written its shard, rank 0
+A save goes to `.step-NNNNNNNN.<generation>.partial/`; once every rank has written its shard, rank 0
 records the sha256 of every file in `forgeline-checkpoint.json` together with the step, token
 count, parallel layout, config and data hashes and git commit, fsyncs, and renames the
 directory to `step-NNNNNNNN/`. A directory without a verifying manifest is not a checkpoint:
 resume skips it with a warning naming what is wrong. Committed checkpoints are never
 overwritten.
+
+One training attempt writes under a root at a time: each manager claims the root for a new
+generation (rank 0 writes a fresh token to `.generation`, every rank learns it), checks the file
+still holds its token before every save and before the commit, and records it in the manifest.
+A rank that outlived its launcher while a retry took over (a later generation) therefore stops
+with StaleGenerationError instead of committing over the retry's steps.
 
 State is saved under constant top-level keys -- "model", "optim", "train", "rng" -- through
 `get_state_dict`-style helpers, so any parallel layout can load it (and eval can load just
@@ -21,6 +27,7 @@ import random
 import re
 import shutil
 import time
+import uuid
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -50,6 +57,7 @@ from forgeline.model.fileio import fsync_path, sha256_file
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "forgeline-checkpoint.json"
+GENERATION_NAME = ".generation"  # the token of the one training attempt that may write here
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -60,6 +68,37 @@ class CheckpointError(RuntimeError):
 # Optimizer state keyed by parameter name, not by position: merges across pipeline stages
 # and loads into any other split.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class StaleGenerationError(CheckpointError):
+    """A later training attempt owns the checkpoint root: this one must not write to it."""
+
+
+def claim_generation(root: Path, rank: int) -> str:
+    """Collective: make this training attempt the one that may write under `root`; its token."""
+    token = [uuid.uuid4().hex if rank == 0 else None]
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        staged = root / f"{GENERATION_NAME}.{token[0]}"
+        staged.write_text(token[0])
+        os.replace(staged, root / GENERATION_NAME)
+        fsync_path(root)
+        for partial in root.glob(".step-*.partial"):  # left by a crash mid-save, or by a stale attempt
+            shutil.rmtree(partial, ignore_errors=True)
+    dist.broadcast_object_list(token, src=0)
+    return token[0]
+
+
+def check_generation(root: Path, token: str) -> None:
+    """Raise StaleGenerationError unless `root` still belongs to the generation `token`."""
+    try:
+        owner = (root / GENERATION_NAME).read_text()
+    except FileNotFoundError:
+        owner = None
+    if owner != token:
+        raise StaleGenerationError(
+            f"{root} now belongs to another training attempt (generation {owner}), not to this one "
+            f"({token}): its launcher is gone and a retry took over, so this rank stops without writing")
 
 
 class ModelState(Stateful):
@@ -208,16 +247,17 @@ class CheckpointManager:
             self.tier = PersistentTier(cfg.persistent_url, MANIFEST_NAME)
             self.tier.sync([info.path for info in committed_checkpoints(root)])
         self._in_flight: _InFlight | None = None
+        self.generation = claim_generation(root, rank)
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         self.wait()
+        check_generation(self.root, self.generation)
         final = self.root / step_dir_name(step)
         if final.exists():
             raise CheckpointError(f"{final} exists: checkpoints are never overwritten")
-        partial = self.root / f".{step_dir_name(step)}.partial"
+        partial = self.root / f".{step_dir_name(step)}.{self.generation[:8]}.partial"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)  # left over by a crash mid-save
         dist.barrier()
         started = time.perf_counter()
         if self.cfg.async_save:
@@ -311,6 +351,7 @@ class CheckpointManager:
         except (Exception, CheckpointException) as err:  # the latter derives from BaseException
             if self.rank == 0:
                 shutil.rmtree(pending.partial, ignore_errors=True)
+            check_generation(self.root, self.generation)  # a retry that took over removed it
             latest = committed_checkpoints(self.root)
             kept = f"step {latest[0].step}" if latest else "none yet"
             raise CheckpointError(
@@ -328,12 +369,13 @@ class CheckpointManager:
                  pending.blocked_s, time.perf_counter() - pending.started)
 
     def _commit(self, pending: _InFlight) -> None:
+        check_generation(self.root, self.generation)
         files = {
             str(p.relative_to(pending.partial)): sha256_file(p)
             for p in sorted(pending.partial.rglob("*")) if p.is_file()
         }
         manifest = {"step": pending.step, "fingerprint": self.fingerprint, "files": files,
-                    "created_unix": time.time(), **pending.meta}
+                    "created_unix": time.time(), "generation": self.generation, **pending.meta}
         with open(pending.partial / MANIFEST_NAME, "w") as f:
             json.dump(manifest, f, indent=2, sort_keys=True)
             f.flush()
@@ -341,6 +383,7 @@ class CheckpointManager:
         for name in files:
             fsync_path(pending.partial / name)
         fsync_path(pending.partial)
+        check_generation(self.root, self.generation)  # as late as it can be: the rename commits
         os.replace(pending.partial, pending.final)
         fsync_path(self.root)
 

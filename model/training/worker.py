@@ -11,9 +11,12 @@ latest valid checkpoint, and hands a Trainer (loop.py) its step and callbacks (c
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -209,6 +212,24 @@ def total_peak_flops(cfg: Config, device: torch.device) -> float:
     return peak.item()
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher() -> None:
+    """Have the kernel SIGKILL this rank when the process that started it (torchrun's agent)
+    dies, however it dies: a rank that outlives a killed launcher would train on beside the
+    job's retry, into the same checkpoints and (on a GPU) the memory the retry needs. Linux
+    only; the checkpoint generation (model/checkpoint/manager.py) fences such ranks anywhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != launcher:  # it died before the signal was armed
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m forgeline.model.training.worker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -218,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the pretrained base, resolved by the launcher: JSON with its uri, local path "
                              "and weights_sha256")
     args = parser.parse_args(argv)
+    die_with_launcher()
     apply_environment_defaults()  # inherited from the launcher already; here for a rank started by hand
     cfg = load_config(args.config)
     if cfg.train.deterministic:

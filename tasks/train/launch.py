@@ -1,5 +1,6 @@
 """Run a command in its own process group, stream its output to a logger, and kill the whole
-group when it times out or the caller is interrupted (Ctrl-C, Prefect cancellation)."""
+group when it times out or the caller is interrupted (Ctrl-C, Prefect cancellation); the command
+also dies with the caller when the caller is killed outright (SIGKILL, OOM killer)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import collections
 import contextvars
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -24,7 +26,7 @@ def run_streaming(cmd: Sequence[str], env: Mapping[str, str], timeout_s: float,
     """Run `cmd`, each output line to `logger` (and `on_line`); raise LaunchError on failure."""
     logger.info("launching: %s", " ".join(cmd))
     proc = subprocess.Popen(
-        list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        dying_with_caller(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, bufsize=1, start_new_session=True,
     )
     tail: collections.deque[str] = collections.deque(maxlen=40)
@@ -48,6 +50,15 @@ def run_streaming(cmd: Sequence[str], env: Mapping[str, str], timeout_s: float,
     if proc.returncode != 0:
         raise LaunchError(f"{' '.join(cmd[:3])} ... exited with code {proc.returncode}"
                           + _format_tail(tail))
+
+
+def dying_with_caller(cmd: Sequence[str]) -> list[str]:
+    """`cmd` run so that the kernel SIGKILLs it when this process dies: the caller's `finally`
+    kills the group on every exit it sees, but not on a SIGKILL of its own. util-linux's setpriv
+    arms the parent-death signal and execs the command (it survives exec); without setpriv
+    (not Linux) the command runs as it is."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *cmd] if setpriv else list(cmd)
 
 
 def _pump(proc: subprocess.Popen, logger: logging.Logger, tail: collections.deque,

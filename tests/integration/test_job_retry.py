@@ -1,18 +1,28 @@
 """Job-level retry: when the torchrun job fails for good (no in-job restarts left), Prefect
 retries the train task with backoff, and the retry resumes from the latest checkpoint into the
-same MLflow run, which records why each attempt failed."""
+same MLflow run, which records why each attempt failed. A launcher killed outright takes its
+ranks with it, and only the retry writes checkpoints."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 from mlflow import MlflowClient
 
+from forgeline.model.checkpoint.manager import (
+    GENERATION_NAME,
+    committed_checkpoints,
+    read_checkpoint_manifest,
+)
 from forgeline.tasks.runner import STAGE_TAG
 from tests.conftest import REPO_ROOT
-from tests.integration.helpers import VENV_BIN, prefect_flow_runs, run
+from tests.integration.helpers import VENV_BIN, prefect_flow_runs, run, user_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 
@@ -38,3 +48,57 @@ def test_failed_job_is_retried_into_the_same_mlflow_run(data_root: Path, tmp_pat
 
     [flow_run] = prefect_flow_runs(tmp_path)
     assert flow_run["state"] == "COMPLETED" and flow_run["task_run_counts"]["train"] == 2
+
+
+def launched_torchrun(workdir: Path) -> psutil.Process | None:
+    """The torchrun launcher a command in `workdir` started, if it runs."""
+    for proc in psutil.process_iter(["cmdline", "cwd"]):
+        cmdline = proc.info["cmdline"] or []
+        if proc.info["cwd"] == str(workdir) and "torch.distributed.run" in cmdline:
+            return proc
+    return None
+
+
+def exited(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.slow
+def test_a_launcher_killed_outright_takes_its_ranks_and_only_the_retry_writes(data_root: Path,
+                                                                             tmp_path: Path) -> None:
+    """kill -9 of torchrun 'as a scheduler would', mid-run on pp2 x dp2: its four ranks die with
+    it (none trains on beside the retry), Prefect's retry resumes, and every checkpoint left
+    was committed by the retry's generation."""
+    cmd = [str(VENV_BIN / "forgeline"), "stage", "train", "--config", "debug.yaml",
+           "--set", f"data.out_dir={data_root / 'data'}", "--set", "parallel.pp=2",
+           "--set", "parallel.dp_shard=2",
+           "--set", "train.steps=120", "--set", "train.max_restarts=0", "--set", "train.job_retries=1",
+           "--set", "train.peak_tflops=1"]
+    stage = subprocess.Popen(cmd, cwd=tmp_path, env=user_env(tmp_path), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    checkpoints = tmp_path / "artifacts" / "train" / "checkpoints"
+    deadline = time.monotonic() + 600
+    while not (checkpoints / "step-00000010").is_dir() and time.monotonic() < deadline:
+        assert stage.poll() is None, stage.stdout.read()[-4000:]
+        time.sleep(0.2)
+    launcher = launched_torchrun(tmp_path)
+    ranks = launcher.children(recursive=True)
+    assert len(ranks) == 4, ranks
+    first_generation = (checkpoints / GENERATION_NAME).read_text()
+    launcher.send_signal(signal.SIGKILL)
+    # At once: an orphan of this tiny model would reach step 120 in about 8 s.
+    deadline = time.monotonic() + 2
+    while not all(exited(rank) for rank in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(exited(rank) for rank in ranks), "ranks outlived their killed launcher"
+
+    output, _ = stage.communicate(timeout=900)
+    assert stage.returncode == 0, output[-4000:]
+    retry_generation = (checkpoints / GENERATION_NAME).read_text()
+    assert retry_generation != first_generation
+    left = committed_checkpoints(checkpoints)
+    assert [info.step for info in left] == [120, 110]
+    assert {read_checkpoint_manifest(info.path)["generation"] for info in left} == {retry_generation}

@@ -14,6 +14,7 @@ from forgeline.model.checkpoint.manager import (
     ModelState,
     OptimizerState,
     RNGState,
+    StaleGenerationError,
     committed_checkpoints,
     latest_valid_checkpoint,
     load_model_weights,
@@ -62,6 +63,26 @@ def test_save_commits_a_verifying_manifest(tmp_path: Path, process_group: None) 
     assert ".metadata" in manifest["files"]
     assert verify_checkpoint(path) == []
     assert not list(tmp_path.glob(".*partial"))
+
+
+def test_a_later_attempt_fences_an_earlier_one_out_of_the_checkpoints(tmp_path: Path,
+                                                                      process_group: None) -> None:
+    """A stale attempt (its launcher killed, a retry started) can neither start a save nor commit
+    one already in flight; the retry's checkpoints carry its generation."""
+    _, _, state = trained_state(1)
+    stale = manager(tmp_path, async_save=True)
+    stale.save(10, state, {"layout": {"world_size": 1}})  # in flight when the retry starts
+    retry = manager(tmp_path, async_save=True)
+    with pytest.raises(StaleGenerationError, match="belongs to another training attempt"):
+        stale.wait()
+    with pytest.raises(StaleGenerationError):
+        stale.save(20, state, {"layout": {"world_size": 1}})
+    assert not (tmp_path / "step-00000010").exists() and not (tmp_path / "step-00000020").exists()
+    retry.save(10, state, {"layout": {"world_size": 1}})
+    retry.close()
+    manifest = json.loads((tmp_path / "step-00000010" / MANIFEST_NAME).read_text())
+    assert manifest["generation"] == retry.generation != stale.generation
+    assert verify_checkpoint(tmp_path / "step-00000010") == []
 
 
 @pytest.mark.parametrize("async_save", [True, False])
