@@ -1,6 +1,7 @@
 """bench/eval_uncertainty: what the eval stage's uncertainty costs -- logging every item's value,
-the standard errors (closed form for means, a 1,000-draw bootstrap over items otherwise) and
-writing items.json -- as a share of the stage's scoring, in one run.
+the standard errors (closed form for means, a 1,000-draw bootstrap over items otherwise), the
+suite's fingerprint and writing items.json (what the promotion gate pairs) -- as a share of the
+stage's scoring, in one run.
 
     .venv/bin/python bench/eval_uncertainty.py [--config tiny-single.yaml] [--rounds 3]
 
@@ -9,10 +10,10 @@ suite and plan, scored the two ways in alternating rounds with one loaded model:
 
     before   lm_eval.simple_evaluate(log_samples=False) per dimension, then the point scores
     now      tasks/evaluate.py score_lm (log_samples=True, per-item values), the report with
-             standard errors and intervals, items.json written
+             standard errors and intervals, the suite fingerprint, items.json written
 
 Reported: the median seconds of each, the added share (now / before - 1; goal <= 5 %) and the
-seconds of the step after scoring alone (report + items.json). Writes
+seconds of the step after scoring alone (report, fingerprint, items.json). Writes
 bench/results/eval_uncertainty.json.
 """
 
@@ -38,7 +39,8 @@ from results_file import write_results  # noqa: E402
 
 from forgeline.eval.lm import ForgelineLM  # noqa: E402
 from forgeline.eval.scores import aggregate, flatten_scores  # noqa: E402
-from forgeline.tasks.evaluate import Plan, plan_scores, plan_tasks, score_lm  # noqa: E402
+from forgeline.eval.suite import suite_fingerprint  # noqa: E402
+from forgeline.tasks.evaluate import Plan, plan_record, plan_scores, plan_tasks, score_lm  # noqa: E402
 
 
 def point_scores(lm: ForgelineLM, plan: Plan, task_manager: TaskManager) -> dict:
@@ -54,12 +56,14 @@ def point_scores(lm: ForgelineLM, plan: Plan, task_manager: TaskManager) -> dict
 
 
 def with_uncertainty(lm: ForgelineLM, plan: Plan, task_manager: TaskManager,
-                     out: Path) -> tuple[dict, float]:
-    """The eval stage now; also the seconds after scoring (report and items.json)."""
+                     workdir: Path) -> tuple[dict, float]:
+    """The eval stage now; also the seconds after scoring (report, fingerprint, items.json)."""
     scored = score_lm(lm, plan, task_manager)
     started = time.perf_counter()
     report = scored.report(plan)
-    out.write_text(json.dumps({"model": scored.items_record(plan)}, separators=(",", ":")) + "\n")
+    suite = {"fingerprint": suite_fingerprint(workdir / "tasks", workdir / "data"), "plan": plan_record(plan)}
+    (workdir / "items.json").write_text(json.dumps({"suite": suite, "model": scored.items_record(plan)},
+                                                   separators=(",", ":")) + "\n")
     return report, time.perf_counter() - started
 
 
@@ -83,7 +87,7 @@ def main() -> None:
                 if which == "before":
                     before = point_scores(lm, plan, task_manager)
                 else:
-                    now, after_scoring = with_uncertainty(lm, plan, task_manager, workdir / "items.json")
+                    now, after_scoring = with_uncertainty(lm, plan, task_manager, workdir)
                     times["after_scoring"].append(after_scoring)
                 times[which].append(time.perf_counter() - started)
         items_bytes = (workdir / "items.json").stat().st_size
