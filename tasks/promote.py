@@ -77,6 +77,9 @@ def identical(comparison: dict) -> bool:
 def judge(comparison: dict, champion_dimensions: list[str], margin: float, max_regression: float) -> Verdict:
     """The gate's rules on a paired comparison (candidate minus champion)."""
     shared = sum(comparison["shared_items"].values())
+    unshared = sorted(task for task, count in comparison["shared_items"].items() if not count)
+    if unshared:
+        return Verdict(INCONCLUSIVE, [f"no shared items in {', '.join(unshared)}"])
     overall = (f"overall {signed_interval(comparison['overall'], comparison['overall_ci95'])} "
                f"on {shared} shared items")
     rejections = [f"dimension {name} was not evaluated (the champion's was)"
@@ -105,7 +108,9 @@ def resolution(comparison: dict, plan: dict[str, dict], margin: float) -> str:
     counts, and the per-dimension limits at which a true difference the size of the observed one
     would clear the margin with 80 % power (the standard error shrinks as 1/sqrt(items))."""
     stderr = comparison["overall_stderr"]
-    if not stderr:
+    if stderr is None:
+        return "at least two shared items per task are needed for an interval"
+    if stderr == 0:
         return "more items cannot resolve it: the two score alike on every shared item"
     found = (f"the smallest overall difference these items detect (80 % power, 5 % two-sided) is "
              f"{detectable_difference(stderr):.4f}")

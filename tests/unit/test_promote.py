@@ -143,3 +143,15 @@ def test_a_hub_tasks_score_is_its_forgeline_counterparts_under_its_own_name() ->
     assert task_score("arc_easy").task == "arc_easy"
     with pytest.raises(KeyError, match="not a registered task"):
         task_score("nonsense")
+
+
+def test_too_few_shared_items_for_an_interval_is_inconclusive_not_an_error() -> None:
+    one_item = {task: TaskItems(ids=["x"], values=[1.0]) for task in CHAMPION}
+    none_of_them = {task: TaskItems(ids=["y"], values=[0.0]) for task in CHAMPION}
+    comparison = paired_comparison(one_item, one_item, evaluated(one_item).scores())
+    verdict = judge(comparison, list(PLAN), 0.0, 0.05)
+    assert verdict.outcome == INCONCLUSIVE and "no interval" in verdict.reasons[0]
+    assert resolution(comparison, PLAN, 0.0).startswith("at least two shared items per task")
+    disjoint = paired_comparison(one_item, none_of_them, evaluated(one_item).scores())
+    unshared = ", ".join(sorted(CHAMPION))
+    assert judge(disjoint, list(PLAN), 0.0, 0.05).reasons == [f"no shared items in {unshared}"]
