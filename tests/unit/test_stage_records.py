@@ -76,7 +76,7 @@ def test_the_cache_key_is_the_records_inputs(tmp_path: Path) -> None:
         (Path(cfg.eval.out_dir) / name).write_text("{}")
     register = stage_inputs(stage_named("register"), cfg)
     assert set(register["upstream"]) == {f"{cfg.data.out_dir}/tokenizer", cfg.train.out_dir,
-                                         f"{cfg.eval.out_dir}/metrics.json", f"{cfg.eval.out_dir}/items.json"}
+                                         f"{cfg.eval.out_dir}/metrics.json"}
     assert register["external"]["tracking_uri"].startswith("sqlite:///")
     data = stage_inputs(stage_named("data"), cfg)
     assert set(data) == {"config", "code", "upstream", "sources", "params"}
