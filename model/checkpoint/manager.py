@@ -11,7 +11,8 @@ One training attempt writes under a root at a time: each manager claims the root
 generation (rank 0 writes a fresh token to `.generation`, every rank learns it), checks the file
 still holds its token before every save and before the commit, and records it in the manifest.
 A rank that outlived its launcher while a retry took over (a later generation) therefore stops
-with StaleGenerationError instead of committing over the retry's steps.
+with StaleGenerationError instead of committing over the retry's steps. A finished attempt
+releases the root (`close`).
 
 State is saved under constant top-level keys -- "model", "optim", "train", "rng" -- through
 `get_state_dict`-style helpers, so any parallel layout can load it (and eval can load just
@@ -87,6 +88,17 @@ def claim_generation(root: Path, rank: int) -> str:
             shutil.rmtree(partial, ignore_errors=True)
     dist.broadcast_object_list(token, src=0)
     return token[0]
+
+
+def release_generation(root: Path, token: str) -> None:
+    """Remove the claim of generation `token` on `root`, if it still holds it: a finished attempt
+    leaves the train stage's output as it found it (a resume with nothing left to train changes
+    nothing)."""
+    try:
+        if (root / GENERATION_NAME).read_text() == token:
+            (root / GENERATION_NAME).unlink()
+    except FileNotFoundError:
+        pass
 
 
 def check_generation(root: Path, token: str) -> None:
@@ -285,12 +297,16 @@ class CheckpointManager:
         self._in_flight = None
 
     def close(self) -> None:
-        """Collective: wait for the last save, then for its upload to the persistent tier."""
+        """Collective: wait for the last save, then for its upload to the persistent tier; then
+        release the root (a stale rank stays fenced: no token is not its token)."""
         self.wait()
         if self.stager is not None:
             self.stager.close()
         if self.tier is not None:
             self.tier.close()
+        dist.barrier()
+        if self.rank == 0:
+            release_generation(self.root, self.generation)
 
     def load_latest(self, state: dict[str, Any]) -> CheckpointInfo | None:
         """Collective: load the newest checkpoint that verifies into `state` (in place) -- from

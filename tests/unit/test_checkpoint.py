@@ -82,6 +82,7 @@ def test_a_later_attempt_fences_an_earlier_one_out_of_the_checkpoints(tmp_path: 
     retry.close()
     manifest = json.loads((tmp_path / "step-00000010" / MANIFEST_NAME).read_text())
     assert manifest["generation"] == retry.generation != stale.generation
+    assert not (tmp_path / ".generation").exists()  # released by the retry's close
     assert verify_checkpoint(tmp_path / "step-00000010") == []
 
 
