@@ -52,9 +52,14 @@ def format_comparison(comparison: Comparison, diff_only: bool) -> str:
         picked = {k: v for k, v in table.items() if not diff_only or len(set(v)) > 1}
         rows.append([f"[{title}]", *([""] * len(comparison.run_ids))])
         rows += [[f"{'*' if len(set(v)) > 1 else ' '} {k}", *v] for k, v in picked.items()]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return fixed_width([header, *rows])
+
+
+def fixed_width(rows: list[list[str]]) -> str:
+    """Rows of cells as left-aligned columns two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-                     for row in [header, *rows])
+                     for row in rows)
 
 
 ITEMS_ARTIFACT = f"eval/{ITEMS_NAME}"  # logged by the eval stage's run and with a registered version's
@@ -63,22 +68,28 @@ ITEMS_ARTIFACT = f"eval/{ITEMS_NAME}"  # logged by the eval stage's run and with
 def logged_items(client: MlflowClient, run_id: str) -> EvaluatedItems | None:
     """The per-item eval results logged with a run (an eval or register stage run), or with its
     eval child (a pipeline run); None where there are none."""
-    runs = [run_id] + [child.info.run_id for child in client.search_runs(
-        [client.get_run(run_id).info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")]
-    for candidate in runs:
-        with tempfile.TemporaryDirectory() as scratch:
-            try:
-                path = mlflow.artifacts.download_artifacts(run_id=candidate, artifact_path=ITEMS_ARTIFACT,
-                                                           dst_path=scratch, tracking_uri=client.tracking_uri)
-                return EvaluatedItems.read(Path(path))
-            except (MlflowException, OSError, ValueError):
-                continue
-    return None
+    found = run_items(client, run_id)
+    if found is not None:
+        return found
+    children = client.search_runs([client.get_run(run_id).info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{run_id}'")
+    return next((found for child in children if (found := run_items(client, child.info.run_id))), None)
+
+
+def run_items(client: MlflowClient, run_id: str) -> EvaluatedItems | None:
+    """The per-item eval results among one run's own artifacts."""
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=ITEMS_ARTIFACT,
+                                                       dst_path=scratch, tracking_uri=client.tracking_uri)
+            return EvaluatedItems.read(Path(path))
+        except (MlflowException, OSError, ValueError):
+            return None
 
 
 def shared_plan(a: EvaluatedItems, b: EvaluatedItems) -> dict[str, list[TaskScore]]:
     """`a`'s scored tasks that `b` evaluated too, with as many few-shot examples."""
-    fewshot = {task: entry["num_fewshot"] for entry in b.plan.values() for task in entry["tasks"]}
+    fewshot = b.fewshot()
     plan = {name: [score for score in scores if fewshot.get(score.task) == a.plan[name]["num_fewshot"]]
             for name, scores in a.scores().items()}
     return {name: scores for name, scores in plan.items() if scores}
@@ -123,7 +134,4 @@ def format_paired(title: str, comparison: dict) -> str:
                         sum(task["shared"] for task in entry["tasks"].values())))
     rows.append(row("overall", comparison["overall"], comparison["overall_ci95"],
                     sum(comparison["shared_items"].values())))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    table = ["  ".join(cell.ljust(width) for cell, width in zip(r, widths, strict=True)).rstrip()
-             for r in rows]
-    return "\n".join([f"paired on shared items, {title}:", *table])
+    return f"paired on shared items, {title}:\n" + fixed_width(rows)

@@ -225,6 +225,10 @@ class EvaluatedItems:
         """The plan's scored tasks per dimension."""
         return {name: [task_score(task) for task in entry["tasks"]] for name, entry in self.plan.items()}
 
+    def fewshot(self) -> dict[str, int]:
+        """Each task's few-shot count."""
+        return {task: entry["num_fewshot"] for entry in self.plan.values() for task in entry["tasks"]}
+
     def eval_plan(self) -> Plan:
         """The plan, to evaluate another model on these items."""
         return {name: (scores, DimensionConfig(tasks=[s.task for s in scores], limit=self.plan[name]["limit"],
@@ -237,7 +241,7 @@ class EvaluatedItems:
         if self.suite != other.suite:
             return [f"another suite (fingerprint {self.suite[:12]}, not {other.suite[:12]}: other "
                     "tasks, held-out documents, item packages or scoring code)"]
-        fewshot = {task: entry["num_fewshot"] for entry in self.plan.values() for task in entry["tasks"]}
+        fewshot = self.fewshot()
         why = []
         for entry in other.plan.values():
             for task in entry["tasks"]:

@@ -162,18 +162,12 @@ def current_champion(client: MlflowClient, model_name: str) -> ModelVersion | No
         raise
 
 
-def version_items(client: MlflowClient, version: ModelVersion) -> EvaluatedItems | None:
-    """The per-item results registered with a version; None for a version registered before
-    they were kept."""
-    return logged_items(client, version.run_id)
-
-
 def champion_on_items(cfg: Config, client: MlflowClient, champion: ModelVersion,
                       candidate: EvaluatedItems) -> EvaluatedItems:
     """The champion's results on every item of the candidate's: its registered ones when they
     cover them, else its registered export evaluated on the candidate's items, which needs the
     candidate's suite here (this code and `data.out_dir`'s held-out documents)."""
-    registered = version_items(client, champion)
+    registered = logged_items(client, champion.run_id)
     why = registered.unpaired(candidate) if registered else ["no per-item results were registered with it"]
     if not why:
         return registered
@@ -213,7 +207,7 @@ def evidence_tags(comparison: dict, champion: str, advice: str) -> dict[str, str
 def decide(cfg: Config, client: MlflowClient, candidate: ModelVersion,
            champion: ModelVersion) -> tuple[Decision, dict[str, str]]:
     """The gate on `candidate` against `champion`: the decision and its evidence tags."""
-    candidate_items = version_items(client, candidate)
+    candidate_items = logged_items(client, candidate.run_id)
     try:
         if candidate_items is None:
             raise Unpaired(f"it has no per-item eval results ({ITEMS_ARTIFACT} of run {candidate.run_id}): "

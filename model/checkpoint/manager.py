@@ -90,23 +90,25 @@ def claim_generation(root: Path, rank: int) -> str:
     return token[0]
 
 
+def generation_owner(root: Path) -> str | None:
+    """The token of the attempt that holds `root`; None when none does."""
+    try:
+        return (root / GENERATION_NAME).read_text()
+    except FileNotFoundError:
+        return None
+
+
 def release_generation(root: Path, token: str) -> None:
     """Remove the claim of generation `token` on `root`, if it still holds it: a finished attempt
     leaves the train stage's output as it found it (a resume with nothing left to train changes
     nothing)."""
-    try:
-        if (root / GENERATION_NAME).read_text() == token:
-            (root / GENERATION_NAME).unlink()
-    except FileNotFoundError:
-        pass
+    if generation_owner(root) == token:
+        (root / GENERATION_NAME).unlink()
 
 
 def check_generation(root: Path, token: str) -> None:
     """Raise StaleGenerationError unless `root` still belongs to the generation `token`."""
-    try:
-        owner = (root / GENERATION_NAME).read_text()
-    except FileNotFoundError:
-        owner = None
+    owner = generation_owner(root)
     if owner != token:
         raise StaleGenerationError(
             f"{root} now belongs to another training attempt (generation {owner}), not to this one "
