@@ -9,6 +9,7 @@ from typing import Any, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from forgeline.configs.redaction import scrub
 from forgeline.configs.schema import Config, ConfigError
 
 DEFAULT_CONFIG = "tiny.yaml"
@@ -36,15 +37,20 @@ def resolve_config_path(path: str | Path | None) -> Path:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read YAML, apply overrides, validate. Raises ConfigError with an actionable message."""
-    config_path = resolve_config_path(path)
-    raw = read_raw(config_path)
-    for override in overrides:
-        apply_override(raw, override)
+    """Read YAML, apply overrides, validate. Raises ConfigError with an actionable message, in which
+    a URL's password is masked: it quotes overrides, YAML and values, and Prefect logs it."""
     try:
-        return Config.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(format_validation_error(err, config_path)) from None
+        config_path = resolve_config_path(path)
+        raw = read_raw(config_path)
+        for override in overrides:
+            apply_override(raw, override)
+        try:
+            return Config.model_validate(raw)
+        except ValidationError as err:
+            raise ConfigError(format_validation_error(err, config_path)) from None
+    except ConfigError as err:
+        message = scrub(str(err))
+    raise ConfigError(message)  # outside the handler: no unmasked exception rides along as its context
 
 
 def read_raw(config_path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:

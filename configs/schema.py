@@ -12,8 +12,11 @@ import hashlib
 import json
 import re
 from typing import Annotated, Any, Literal, get_args
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from forgeline.configs.redaction import URL_PASSWORD
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -24,14 +27,51 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    """Base of every config section: strict keys, docstrings as field descriptions."""
+    """Base of every config section: strict keys, docstrings as field descriptions, no
+    credentials."""
 
     model_config = ConfigDict(
         extra="forbid",
         frozen=True,
         use_attribute_docstrings=True,
         validate_default=True,
+        hide_input_in_errors=True,  # an error's text never quotes a value: it could hold a password
     )
+
+    @field_validator("*")
+    @classmethod
+    def _holds_no_url_password(cls, value: Any, info: ValidationInfo) -> Any:
+        """Prefect stores a flow run's config as given, shows it and sends it to its server; a
+        password goes where the library that needs it reads it instead."""
+        for text in _strings(value):
+            if URL_PASSWORD.search(text):
+                raise ValueError(f"the URL holds a password (its `user:password@` part), which Prefect would "
+                                 f"store in plain text with the flow run; remove it and "
+                                 f"{_credential_hint(info.field_name, text)}")
+        return value
+
+
+def _strings(value: Any) -> list[str]:
+    """The strings in a field's value, inside lists and dicts too (nested sections check their own)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [text for item in value for text in _strings(item)]
+    if isinstance(value, dict):
+        return [text for item in value.items() for text in _strings(list(item))]
+    return []
+
+
+def _credential_hint(field: str | None, url: str) -> str:
+    if field == "tracking_uri":
+        return ("give MLflow a server's login in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                "MLFLOW_TRACKING_TOKEN), or leave registry.tracking_uri unset and put the whole URI, a "
+                "database's included, in $MLFLOW_TRACKING_URI")
+    if urlsplit(url).scheme in ("s3", "s3a"):
+        return ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment, and "
+                "AWS_ENDPOINT_URL for S3-compatible storage")
+    return ("give it to the library that opens the URL through the environment or its config files (an "
+            "fsspec filesystem: its variables, e.g. GOOGLE_APPLICATION_CREDENTIALS, or ~/.config/fsspec/)")
 
 
 SourceKind = Literal["shakespeare", "stdlib", "files", "hf"]
@@ -714,12 +754,22 @@ class RegistryConfig(Section):
 
 
 class OpsConfig(Section):
-    """Unattended operation: Prefect deployments and their notifications."""
+    """Unattended operation: Prefect deployments, their notifications, and tracking-store outages."""
 
     notify_block: str = ""
     """Name of a saved Prefect notification block (e.g. a CustomWebhookNotificationBlock or
     SlackWebhook made with `prefect block create`) that a failed flow run posts to; the
     webhook URL stays in the block, never in the config. Empty: no notification."""
+
+    tracking_spool: str = "artifacts/tracking-spool"
+    """Where every write to the MLflow tracking store goes first (model/spool.py), one directory
+    per run: while the store does not answer, a run's metrics, params, tags and artifacts wait
+    here, in order, and are sent when it answers again; what a run leaves unsent,
+    `forgeline sync` sends later."""
+
+    tracking_flush_s: float = Field(30.0, ge=0)
+    """How long a process (a stage, the logging rank) waits at its end for its spooled writes to
+    reach the tracking store before it leaves them to `forgeline sync`."""
 
 
 class Config(Section):

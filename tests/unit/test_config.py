@@ -127,3 +127,105 @@ def test_nested_settings_are_validated_and_flattened() -> None:
 def test_nested_keys_can_be_overridden() -> None:
     cfg = load_config("tiny.yaml", ["data.cleaning.scrub_pii=true", "data.cleaning.min_chars=5"])
     assert cfg.data.cleaning.scrub_pii and cfg.data.cleaning.min_chars == 5
+
+
+SECRET = "s3cr3tvalue"
+
+
+@pytest.mark.parametrize("override, field, hint", [
+    (f"checkpoint.persistent_url=s3://AKIAEXAMPLE:{SECRET}@127.0.0.1:9/bucket", "checkpoint.persistent_url",
+     "AWS_SECRET_ACCESS_KEY"),
+    (f"registry.tracking_uri=https://ml:{SECRET}@mlflow.internal", "registry.tracking_uri",
+     "MLFLOW_TRACKING_PASSWORD"),
+    (f"registry.tracking_uri=postgresql://ml:{SECRET}@db:5432/mlflow", "registry.tracking_uri",
+     "$MLFLOW_TRACKING_URI"),
+    (f"registry.artifact_location=s3://AKIAEXAMPLE:{SECRET}@bucket/mlartifacts", "registry.artifact_location",
+     "AWS_ACCESS_KEY_ID"),
+    (f"data.tokenizer_path=https://user:{SECRET}@host/tokenizer.json", "data.tokenizer_path", "environment"),
+    (f"model.init_from=hf://:{SECRET}@org/model", "model.init_from", "environment"),
+    (f"data.sources=[{{kind: hf, path: 'gcs://key:{SECRET}@bucket/ds'}}]", "data.sources.0.path",
+     "GOOGLE_APPLICATION_CREDENTIALS"),
+    (f"data.sources=[{{kind: hf, dataset: json, data_files: ['s3://k:{SECRET}@b/x.jsonl']}}]",
+     "data.sources.0.data_files", "AWS_SECRET_ACCESS_KEY"),
+    (f"train.callbacks=[{{path: 'pkg.mod:Hook', args: {{url: 'https://u:{SECRET}@hook'}}}}]",
+     "train.callbacks.0.args", "environment"),
+])
+def test_a_url_with_a_password_is_refused_naming_the_field_not_the_secret(override: str, field: str,
+                                                                         hint: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("debug.yaml", [override])
+    message = str(err.value)
+    assert f"{field}: the URL holds a password" in message and hint in message
+    assert SECRET not in message and SECRET not in repr(err.value.__context__)
+
+
+def test_a_url_password_in_a_config_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(f"inherit: debug.yaml\ncheckpoint:\n  persistent_url: s3://AKIAEXAMPLE:{SECRET}@h/b\n")
+    with pytest.raises(ConfigError, match=r"checkpoint\.persistent_url: the URL holds a password") as err:
+        load_config(path)
+    assert SECRET not in str(err.value) and "s3://AKIAEXAMPLE:***@h/b" in str(err.value)
+
+
+@pytest.mark.parametrize("override", [
+    "checkpoint.persistent_url=s3://bucket/prefix",
+    "checkpoint.persistent_url=s3://bucket/run@v2/checkpoints",  # `@` in the path, no password
+    "checkpoint.persistent_url=file:///data/user:name@host/ckpt",
+    "registry.tracking_uri=http://127.0.0.1:5000",
+    "registry.tracking_uri=https://ml@mlflow.internal:5000",  # a user name alone is no secret
+    "model.init_from=models:/forgeline-tiny@candidate",
+    "data.tokenizer_path=/data/tokenizers/bpe@4096/tokenizer.json",
+])
+def test_urls_and_paths_without_a_password_are_accepted(override: str) -> None:
+    dotted, _, value = override.partition("=")
+    assert load_config("debug.yaml", [override]).value(dotted) == value
+
+
+@pytest.mark.parametrize("override", [
+    f"checkpont.persistent_url=s3://AKIAEXAMPLE:{SECRET}@h/b",  # unknown section
+    f"checkpoint.persistent_url=[s3://AKIAEXAMPLE:{SECRET}@h/b",  # not YAML
+    f"checkpoint.persistent_ur=s3://AKIAEXAMPLE:{SECRET}@h/b",  # unknown key
+])
+def test_no_config_error_quotes_a_url_password(override: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("debug.yaml", [override])
+    assert SECRET not in str(err.value) and err.value.__context__ is None and err.value.__cause__ is None
+
+
+def test_a_validation_error_of_a_resolved_config_quotes_no_value() -> None:
+    """The path of a config a flow gets as a dict: pydantic's own error text, without its input."""
+    raw = load_config("debug.yaml").model_dump()
+    raw["checkpoint"]["persistent_url"] = f"s3://AKIAEXAMPLE:{SECRET}@h/b"
+    with pytest.raises(ValueError) as err:
+        Config.model_validate(raw)
+    assert "checkpoint.persistent_url" in str(err.value) and SECRET not in str(err.value)
+    with pytest.raises(ValueError) as err:
+        load_config("debug.yaml").with_values({"registry.tracking_uri": f"https://u:{SECRET}@h"})
+    assert "registry.tracking_uri" in str(err.value) and SECRET not in str(err.value)
+
+
+def test_the_log_scrubber_masks_url_passwords_in_messages_and_tracebacks() -> None:
+    import io
+    import logging
+
+    from forgeline.configs.redaction import install_log_scrubber
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("forgeline.test_scrubber")
+    logger.addHandler(handler)
+    try:
+        install_log_scrubber()
+        install_log_scrubber()  # once per handler
+        assert len(handler.filters) == 1
+        logger.warning("MLflow runs in %s", f"postgresql://ml:{SECRET}@db/mlflow")
+        try:
+            raise RuntimeError(f"cannot reach redis://:{SECRET}@cache:6379")
+        except RuntimeError:
+            logger.exception("upload to s3://bucket/run@v2 failed")
+    finally:
+        logger.removeHandler(handler)
+    text = stream.getvalue()
+    assert SECRET not in text
+    assert "postgresql://ml:***@db/mlflow" in text and "redis://:***@cache:6379" in text
+    assert "s3://bucket/run@v2 failed" in text
