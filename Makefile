@@ -69,4 +69,4 @@ corpus/.unpacked:
 	touch $@
 
 clean:
-	rm -rf artifacts mlflow.db mlartifacts
+	rm -rf artifacts mlflow.db mlflow.db-wal mlflow.db-shm mlflow.db.lock mlartifacts

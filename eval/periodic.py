@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from forgeline.configs.environment import apply_environment_defaults
+from forgeline.model.spool import flush_deadline_s, spool_from_environment
 
 log = logging.getLogger("forgeline.eval.periodic")
 
@@ -58,12 +59,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def log_scores(run_id: str, step: int, scores: dict[str, float]) -> None:
-    """`eval/<task>/<metric>` metrics of the training run at `step`."""
-    from mlflow import MlflowClient  # after the environment defaults, like lm-eval
-    from mlflow.entities import Metric
-
+    """`eval/<task>/<metric>` metrics of the training run at `step`, through the tracking spool."""
     now = int(time.time() * 1000)
-    MlflowClient().log_batch(run_id, metrics=[Metric(f"eval/{k}", v, now, step) for k, v in scores.items()])
+    spool = spool_from_environment(run_id, f"eval-step{step}")
+    spool.log_batch([(f"eval/{k}", v, now, step) for k, v in scores.items()])
+    spool.close(flush_deadline_s())
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 from forgeline.configs import Config
 from forgeline.tasks.cache import out_dir_tag, outputs_tag, run_cached
 from forgeline.tasks.stage import Stage, resolve, stage_named
-from forgeline.tasks.tracking import RunTracker, dvc_hash, resolve_tracking_uri, run_name, tracked_run
+from forgeline.tasks.tracking import dvc_hash, resolve_tracking_uri, run_name, tracked_run, tracker_for
 
 UPSTREAM_RUN_TAG = "forgeline.upstream_run"
 STAGE_TAG = "forgeline.stage"  # the stage a stage run ran: find runs by it, not by their names
@@ -84,7 +84,7 @@ def run_stage(stage: Stage, cfg: Config, parent_run_id: str | None = None, force
     (e.g. the Prefect task run id) makes a retry resume into the same MLflow run."""
     preflight_stage(stage, cfg, from_snapshot)
     client = MlflowClient(resolve_tracking_uri(cfg))
-    parent = None if parent_run_id is None else RunTracker(client, parent_run_id)
+    parent = None if parent_run_id is None else tracker_for(cfg, parent_run_id, client)
     function = resolve(stage.function)
     name = run_name(stage.name, cfg, with_layout=reads_layout(stage))
     with tracked_run(cfg, name, parent_run_id, tags={STAGE_TAG: stage.name}, run_key=run_key) as run:

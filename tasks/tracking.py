@@ -6,12 +6,14 @@ active-run stack), so stages can run in Prefect's worker threads and in torchrun
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
 import re
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,12 +26,16 @@ from dvc_data.hashfile.build import build
 from dvc_data.hashfile.db import HashFileDB
 from dvc_objects.fs.local import LocalFileSystem
 from mlflow import MlflowClient
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
+from mlflow.entities import RunStatus
 from mlflow.exceptions import MlflowException
-from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from forgeline.configs import Config
+from forgeline.configs.redaction import REDACTED, scrub
+from forgeline.model.spool import TrackingSpool, discard_sent, replay, spooled_metric
 from forgeline.tasks.stage import PACKAGE_ROOT
 
 log = logging.getLogger(__name__)
@@ -46,14 +52,12 @@ ATTEMPT_TAG = "forgeline.attempts"
 # code path in the bundled JS). MLflow 3.17's UI decides by its sidebar switch instead (`?workflowType=`).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"
-MAX_PARAMS_PER_BATCH = 100
 SYSTEM_METRICS_INTERVAL_S = 5
-REDACTED = "***"
+LOSS_CURVE_METRIC = "loss"  # the ranks' per-step training loss (tasks/train/curves.py)
 # Keys whose last part names a credential (`hf_token`, `ops.webhook_url`); a URL's password
 # (scheme://user:PASSWORD@host) is one wherever it appears.
 SECRET_KEY = re.compile(r"(?:\w+_)?(?:token|password|passwd|secret|secret_key|webhook|webhook_url|"
                         r"api_key|credentials?)", re.IGNORECASE)
-URL_PASSWORD = re.compile(r"(?<=://)([^/@:\s]+):([^/@\s]+)@")
 
 
 def redact(key: str, value: Any) -> Any:
@@ -65,19 +69,49 @@ def redact(key: str, value: Any) -> Any:
     if SECRET_KEY.fullmatch(re.split(r"[./]", key)[-1]) and value not in (None, ""):
         return REDACTED
     if isinstance(value, str):
-        return URL_PASSWORD.sub(rf"\1:{REDACTED}@", value)
+        return scrub(value)
     return value
 
 
 def resolve_tracking_uri(cfg: Config) -> str:
     """Config, else $MLFLOW_TRACKING_URI, else the local sqlite store; relative sqlite and
-    file paths are made absolute so child processes in other directories agree."""
+    file paths are made absolute so child processes in other directories agree. A sqlite store
+    is made ready for concurrent writers first (`prepare_sqlite_store`)."""
     uri = cfg.registry.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + str(Path(uri.removeprefix("sqlite:///")).resolve())
+    if uri.startswith("sqlite:///"):
+        if not uri.startswith("sqlite:////"):
+            uri = "sqlite:///" + str(Path(uri.removeprefix("sqlite:///")).resolve())
+        prepare_sqlite_store(uri)
+        return uri
     if "://" not in uri:
         return Path(uri).resolve().as_uri()
     return uri
+
+
+def prepare_sqlite_store(uri: str) -> None:
+    """Make the sqlite store at `uri` (an absolute sqlite:/// URI) safe for concurrent writers, one
+    process at a time (an flock on `<db>.lock`): processes that open a new store at once otherwise
+    all run MLflow's schema migrations on it, fail ("table ... already exists") and can leave it
+    half-migrated for good. Here the first creates the schema and the others find it. Its journal
+    goes to WAL mode, so that readers never wait for the writer nor the writer for readers;
+    writers take turns, each waiting up to MLflow's busy timeout (20 s). Both persist in the
+    file: after the first call this costs a lock, a query and a cached client."""
+    import fcntl
+    import sqlite3
+
+    path = Path(uri.removeprefix("sqlite:///").partition("?")[0])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        db = sqlite3.connect(path, timeout=60)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+        except sqlite3.OperationalError as err:  # another program holds it open in another mode
+            log.warning("%s stays in its journal mode (%s): concurrent readers and writers wait for each "
+                        "other", path, err)
+        finally:
+            db.close()
+        MlflowClient(uri)  # creates the schema of a new store, or checks it is current
 
 
 def resolve_artifact_location(location: str) -> str:
@@ -107,41 +141,80 @@ def git_info(cwd: str | Path = PACKAGE_ROOT) -> dict[str, str]:
 
 @dataclass
 class RunTracker:
-    """One MLflow run, addressed by id."""
+    """One MLflow run, addressed by id. Its writes go through this process's tracking spool
+    (model/spool.py): while the store answers they are sent before a call returns, while it does
+    not they wait in the spool and the call returns at once."""
 
     client: MlflowClient
     run_id: str
+    spool: TrackingSpool
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        if not metrics:
-            return
         now = _now_ms()
-        self.client.log_batch(self.run_id, metrics=[
-            Metric(key, float(value), now, step or 0) for key, value in metrics.items()
-        ])
+        self.spool.log_batch([(key, float(value), now, step or 0) for key, value in metrics.items()],
+                             wait=True)
 
     def log_params(self, params: dict[str, Any]) -> None:
-        items = [Param(k, str(redact(k, v))) for k, v in params.items()]
-        for start in range(0, len(items), MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=items[start:start + MAX_PARAMS_PER_BATCH])
+        self.spool.log_batch(params={k: str(redact(k, v)) for k, v in params.items()}, wait=True)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        if tags:
-            self.client.log_batch(self.run_id, tags=[RunTag(k, str(redact(k, v))) for k, v in tags.items()])
+        self.spool.log_batch(tags={k: str(redact(k, v)) for k, v in tags.items()}, wait=True)
 
     def log_dataset(self, name: str, path: str | Path, digest: str, context: str) -> None:
         """An input dataset of the run, identified by its DVC hash (the digest MLflow shows)."""
-        source = Path(path).resolve().as_uri()
-        dataset = Dataset(name=name, digest=digest, source_type="local", source=source)
-        self.client.log_inputs(self.run_id, datasets=[
-            DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])])
+        dataset = {"name": name, "digest": digest, "source_type": "local",
+                   "source": Path(path).resolve().as_uri()}
+        self.spool.log_input(dataset, context, wait=True)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        path = Path(path)
-        if path.is_dir():
-            self.client.log_artifacts(self.run_id, str(path), artifact_path)
-        else:
-            self.client.log_artifact(self.run_id, str(path), artifact_path)
+        self.spool.log_artifact(path, artifact_path, wait=True)
+
+
+# This process's spool of each run it writes to: the stages of a pipeline flow run in its
+# process and all write to the parent run.
+_SPOOLS: dict[str, TrackingSpool] = {}
+_SPOOLS_LOCK = threading.Lock()
+
+
+def tracker_for(cfg: Config, run_id: str, client: MlflowClient | None = None) -> RunTracker:
+    """A tracker of the run `run_id`, through this process's spool of it."""
+    client = client or MlflowClient(resolve_tracking_uri(cfg))
+    with _SPOOLS_LOCK:
+        spool = _SPOOLS.get(run_id)
+        if spool is None:
+            spool = _SPOOLS[run_id] = TrackingSpool(cfg.ops.tracking_spool, run_id, client.tracking_uri,
+                                                    writer="stage")
+    return RunTracker(client, run_id, spool)
+
+
+def close_tracker(cfg: Config, tracker: RunTracker, finished: bool) -> None:
+    """Send what the run's spool holds (at most ops.tracking_flush_s), and then what processes
+    that died left for the run (a rank killed before it could send). The spool goes once
+    everything in it is sent -- but a failed training attempt's stays: its retry reopens the run
+    and draws its loss curve from every attempt's steps (`forgeline sync` removes it later)."""
+    with _SPOOLS_LOCK:
+        _SPOOLS.pop(tracker.run_id, None)
+    if tracker.spool.close(cfg.ops.tracking_flush_s) == 0:
+        replay(tracker.spool.dir.parent, tracker.run_id, discard=False)
+    if finished or not spooled_metric(tracker.spool.dir.parent, tracker.run_id, LOSS_CURVE_METRIC):
+        discard_sent(tracker.spool.dir)
+
+
+def sync_tracking(cfg: Config) -> tuple[list[str], int]:
+    """`forgeline sync`'s part for the tracking store: send what runs left in the spool
+    (ops.tracking_spool) while it did not answer. Lines to print, and the writes still unsent."""
+    sent, left = replay(cfg.ops.tracking_spool)
+    lines = [f"tracking: sent {sent} spooled write(s) from {cfg.ops.tracking_spool}"]
+    if left:
+        lines.append(f"tracking: {left} write(s) still unsent: the tracking store does not answer yet")
+    return lines, left
+
+
+@atexit.register
+def _close_spools() -> None:
+    """Spools of runs whose tracker this process borrowed (a parent run it did not open)."""
+    for spool in list(_SPOOLS.values()):
+        spool.close(0)
 
 
 def experiment_id(client: MlflowClient, cfg: Config) -> str:
@@ -194,7 +267,9 @@ def tracked_run(cfg: Config, name: str, parent_run_id: str | None = None,
     """An MLflow run for the block: nested under `parent_run_id` if given, else a top-level
     run that carries the flattened config and git lineage itself. Marked FINISHED, or FAILED
     (with the error as a tag) if the block raises. With `run_key`, a retry of the same work
-    reopens the run created under that key instead of starting another."""
+    reopens the run created under that key instead of starting another. Creating or reopening
+    the run needs the store; every write after that goes through the spool, so an outage once
+    the run exists costs nothing (the store gets it all when it answers)."""
     client = MlflowClient(tracking_uri=resolve_tracking_uri(cfg))
     experiment = experiment_id(client, cfg)
     run = _run_with_key(client, experiment, run_key) if run_key else None
@@ -205,38 +280,67 @@ def tracked_run(cfg: Config, name: str, parent_run_id: str | None = None,
         if run_key:
             run_tags[RUN_KEY_TAG] = run_key
         run = client.create_run(experiment, tags=run_tags, run_name=name)
-        tracker = RunTracker(client, run.info.run_id)
+        tracker = tracker_for(cfg, run.info.run_id, client)
         if not parent_run_id:
             tracker.log_params(cfg.flat())
             tracker.set_tags(git_info() | run_context_tags(cfg))
-            client.log_text(tracker.run_id, yaml.safe_dump(redact("", cfg.model_dump(mode="json")),
-                                                           sort_keys=False), "config.yaml")
+            with tempfile.TemporaryDirectory() as scratch:
+                config = Path(scratch) / "config.yaml"
+                config.write_text(yaml.safe_dump(redact("", cfg.model_dump(mode="json")), sort_keys=False))
+                tracker.log_artifact(config)
             if Path(DVC_LOCK).is_file():
                 tracker.log_artifact(DVC_LOCK)
         attempt = 1
     else:
-        tracker = RunTracker(client, run.info.run_id)
+        tracker = tracker_for(cfg, run.info.run_id, client)
         attempt = int(run.data.tags.get(ATTEMPT_TAG, "1")) + 1
         client.update_run(tracker.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
     tracker.set_tags({ATTEMPT_TAG: attempt})
     log.info("MLflow run %s (%s, attempt %d) in %s", tracker.run_id, name, attempt, client.tracking_uri)
-    # CPU, memory, disk and network (and GPU when there is one) of the work, not of the waiting
-    # parent: sampled for stage runs only.
-    monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S,
-                                   resume_logging=attempt > 1,
-                                   tracking_uri=client.tracking_uri) if parent_run_id else None
-    if monitor:
-        monitor.start()
+    # CPU, memory, disk and network of the work, not of the waiting parent: stage runs only.
+    sampler = SystemMetrics(tracker, run.info.start_time) if parent_run_id else None
+    finished = False
     try:
         yield tracker
+        finished = True
     except BaseException as err:
         tracker.set_tags({f"forgeline.attempt.{attempt}.error": f"{type(err).__name__}: {err}"[:5000]})
-        client.set_terminated(tracker.run_id, RunStatus.to_string(RunStatus.FAILED))
         raise
     finally:
-        if monitor:
-            monitor.finish()
-    client.set_terminated(tracker.run_id, RunStatus.to_string(RunStatus.FINISHED))
+        if sampler:
+            sampler.stop()
+        tracker.spool.terminate(RunStatus.to_string(RunStatus.FINISHED if finished else RunStatus.FAILED))
+        close_tracker(cfg, tracker, finished)
+
+
+class SystemMetrics:
+    """`system/*` metrics of the machine (CPU, memory, disk, network; MLflow's own monitors)
+    every SYSTEM_METRICS_INTERVAL_S into a run's spool. Not MLflow's SystemMetricsMonitor: that
+    one reads the run from the store at every sample and stops for good at the first failure.
+    Steps count intervals since the run started, so a retry's samples follow the first attempt's."""
+
+    def __init__(self, tracker: RunTracker, run_start_ms: int):
+        self.tracker = tracker
+        self.run_start_ms = run_start_ms
+        self.monitors = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="system-metrics", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(SYSTEM_METRICS_INTERVAL_S):
+            metrics = {}
+            for monitor in self.monitors:
+                monitor.collect_metrics()
+                metrics |= monitor.aggregate_metrics()
+                monitor.clear_metrics()
+            now = _now_ms()
+            step = (now - self.run_start_ms) // (1000 * SYSTEM_METRICS_INTERVAL_S)
+            self.tracker.spool.log_batch([(f"system/{k}", float(v), now, step) for k, v in metrics.items()])
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 DVC_LOCK = "dvc.lock"

@@ -25,6 +25,7 @@ def output_overrides(root: Path) -> list[str]:
         f"registry.out_dir={root / 'register'}",
         f"registry.tracking_uri=sqlite:///{root / 'mlflow.db'}",
         f"registry.artifact_location={root / 'mlartifacts'}",
+        f"ops.tracking_spool={root / 'tracking-spool'}",
     ]
 
 

@@ -71,3 +71,19 @@ class ScaleWeightsBefore(_Once):
             for part in trainer.train_step.parts:
                 for param in part.parameters():
                     param.mul_(self.factor)
+
+
+class WaitBefore(Callback):
+    """Rank `rank` waits before step `step` until the file `until` exists (at most `timeout_s`):
+    a test's cue that the world outside the job is ready (a server it restarted). The other ranks
+    wait in the step's collectives."""
+
+    def __init__(self, step: int, until: str, rank: int = 0, timeout_s: float = 600):
+        self.step, self.until, self.rank, self.timeout_s = step, Path(until), rank, timeout_s
+
+    def pre_step(self, trainer: Trainer) -> None:
+        if trainer.state.step + 1 != self.step or int(os.environ.get("RANK", "0")) != self.rank:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while not self.until.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)

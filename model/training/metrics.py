@@ -1,8 +1,9 @@
-"""Training metrics: throughput, MFU, memory, per-rank step times (to name stragglers), sent
-to MLflow asynchronously -- the loop never waits on the tracking store -- and printed as a
-progress line, from global rank 0. Every step is recorded; they are sent once per log
-interval, one batch per interval rather than one write per step. A step with validation
-figures (`val/loss`, callbacks.ValidationCallback) also prints a progress line."""
+"""Training metrics: throughput, MFU, memory, per-rank step times (to name stragglers), written
+to the tracking spool (model/spool.py) -- the loop never waits on the tracking store, and a store
+that is down loses nothing -- and printed as a progress line, from global rank 0. Every step is
+recorded; they are spooled once per log interval, one batch per interval rather than one write
+per step. A step with validation figures (`val/loss`, callbacks.ValidationCallback) also prints
+a progress line."""
 
 from __future__ import annotations
 
@@ -12,18 +13,15 @@ import resource
 import socket
 import statistics
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from mlflow.entities import Metric
+from forgeline.model.spool import flush_deadline_s, spool_from_environment
 
 log = logging.getLogger(__name__)
 
 STRAGGLER_RATIO = 1.2  # a rank this much slower than the median is named
-MAX_METRICS_PER_BATCH = 1000  # MLflow's limit per log_batch request
 
 
 def measure_peak_flops(device: torch.device, size: int = 2048, repeats: int = 5) -> float:
@@ -58,22 +56,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _mlflow_client():
-    """Imported here: only the logging rank needs mlflow, and its import adds about 1.5 s to a
-    rank's start."""
-    from mlflow import MlflowClient
-
-    return MlflowClient()
-
-
 class MetricsLogger:
     """Collective (every rank calls log_step); only global rank 0 logs."""
 
     def __init__(self, run_id: str | None, rank: int, log_every: int, total_steps: int,
                  flops_per_step: float, peak_flops: float, device: torch.device):
         self.rank = rank
-        self.client = _mlflow_client() if run_id and rank == 0 else None
-        self.run_id = run_id
+        self.spool = spool_from_environment(run_id, "rank0") if run_id and rank == 0 else None
         self.log_every = log_every
         self.total_steps = total_steps
         self.flops_per_step = flops_per_step
@@ -82,9 +71,8 @@ class MetricsLogger:
         self.hosts = _gather_hostnames()
         self._interval_time = 0.0
         self._interval_steps = 0
-        self._buffer: list[Metric] = []
+        self._buffer: list[tuple[str, float, int, int]] = []
         self._events = 0
-        self._pending = []
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         step_time = metrics["step_time_s"]
@@ -99,15 +87,13 @@ class MetricsLogger:
             metrics |= self._rank_step_times()
         if self.rank != 0:
             return
-        if self.client is not None:
-            from mlflow.entities import Metric
-
+        if self.spool is not None:
             now = int(time.time() * 1000)
-            self._buffer += [Metric(key, float(value), now, step) for key, value in metrics.items()]
+            self._buffer += [(key, float(value), now, step) for key, value in metrics.items()]
         if at_interval:
             self._send()
-            log.info("%s step %d/%d  %s", _bar(step, self.total_steps), step, self.total_steps,
-                     "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()))
+            log.info("%s step %d/%d  %s%s", _bar(step, self.total_steps), step, self.total_steps,
+                     "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()), self._pending_note())
 
     def _rank_step_times(self) -> dict[str, float]:
         """Mean step time of every rank over the interval; the slowest is named when it lags."""
@@ -130,29 +116,27 @@ class MetricsLogger:
             return
         log.warning("step %d: %s", step, message)
         self._events += 1
-        if self.client is not None:
-            from mlflow.entities import Metric, RunTag
-
+        if self.spool is not None:
             now = int(time.time() * 1000)
-            tag = RunTag(f"forgeline.event.{self._events:04d}", f"step {step}: {message}"[:5000])
-            metrics = [Metric(key, float(value), now, step) for key, value in counters.items()]
-            self._pending.append(self.client.log_batch(self.run_id, metrics=metrics, tags=[tag],
-                                                       synchronous=False))
+            tag = {f"forgeline.event.{self._events:04d}": f"step {step}: {message}"[:5000]}
+            self.spool.log_batch([(key, float(v), now, step) for key, v in counters.items()], tags=tag)
 
     def _send(self) -> None:
-        if self.client is None:
-            return
-        for start in range(0, len(self._buffer), MAX_METRICS_PER_BATCH):
-            chunk = self._buffer[start:start + MAX_METRICS_PER_BATCH]
-            self._pending.append(self.client.log_batch(self.run_id, metrics=chunk, synchronous=False))
+        if self.spool is not None and self._buffer:
+            self.spool.log_batch(self._buffer)
         self._buffer = []
 
+    def _pending_note(self) -> str:
+        """How many tracking writes wait for the store, when any do."""
+        pending = self.spool.pending if self.spool is not None else 0
+        return f"  (tracking: {pending} write(s) pending)" if pending else ""
+
     def close(self) -> None:
-        """Send what is buffered and wait until every metric reached the tracking store."""
+        """Spool what is buffered and give the store ops.tracking_flush_s to take it all; what it
+        has not taken by then stays in the spool for `forgeline sync`."""
         self._send()
-        for operation in self._pending:
-            operation.wait()
-        self._pending.clear()
+        if self.spool is not None:
+            self.spool.close(flush_deadline_s())
 
 
 def straggler(step_times: list[float], ratio: float = STRAGGLER_RATIO) -> int | None:

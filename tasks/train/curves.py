@@ -1,26 +1,29 @@
 """The training loss curve as files beside the checkpoints: `loss.csv` for `dvc plots` and
-`loss.png` for MLflow, both built from the per-step `loss` the ranks logged to the train run."""
+`loss.png` for MLflow, both built from the per-step `loss` the ranks logged to the train run --
+read from the run's tracking spool, which holds it whether or not the store has it yet."""
 
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 
 from matplotlib.figure import Figure
-from mlflow import MlflowClient
 
+from forgeline.model.spool import spooled_metric
 from forgeline.model.training.outputs import TrainOutputs
 from forgeline.tasks.atomic import write_text_atomic
+from forgeline.tasks.tracking import LOSS_CURVE_METRIC
 
 
-def write_loss_curve(client: MlflowClient, run_id: str, outputs: TrainOutputs) -> None:
+def write_loss_curve(spool: Path, run_id: str, outputs: TrainOutputs) -> None:
     """The curve of the steps this run logged, after the steps of the curve already there that
     came before them: a run that resumed from a checkpoint logs only the steps after it (none
     when it resumed at the last step), and keeps the curve of the run that trained up to it."""
     # A restarted run logs the steps after its checkpoint again: the latest value of a step wins.
     # Values as the csv keeps them (6 digits), in the plot too: a curve drawn again from the csv
     # is the same picture, to the byte.
-    history = sorted(client.get_metric_history(run_id, "loss"), key=lambda m: m.timestamp)
-    logged = {m.step: float(f"{m.value:.6g}") for m in history}
+    spooled = sorted(spooled_metric(spool, run_id, LOSS_CURVE_METRIC))  # by time: the latest wins
+    logged = {step: float(f"{value:.6g}") for _, value, step in spooled}
     resumed_at = min(logged, default=float("inf"))
     curve = {step: loss for step, loss in earlier_curve(outputs).items() if step < resumed_at} | logged
     rows = sorted(curve.items())

@@ -29,6 +29,7 @@ from forgeline.configs.schema import resume_fingerprint
 from forgeline.model.checkpoint.manager import committed_checkpoints, latest_valid_checkpoint
 from forgeline.model.fileio import sha256_file
 from forgeline.model.parallel.mesh import local_device_type, resolve_precision
+from forgeline.model.spool import FLUSH_ENV, SPOOL_ENV
 from forgeline.model.training.callbacks import STACKS_DIR_ENV, TrainingUnstable, unstable_report
 from forgeline.model.training.loader import num_validation_batches
 from forgeline.model.training.outputs import TrainOutputs
@@ -90,7 +91,7 @@ def train_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> Trai
     """The train stage's function (tasks/stage.py): the torchrun job, its step metrics in `run`,
     then the loss curve."""
     trained = train_model(cfg, mlflow_run_id=run.run_id)
-    write_loss_curve(run.client, run.run_id, TrainOutputs(Path(trained.out_dir)))
+    write_loss_curve(Path(cfg.ops.tracking_spool), run.run_id, TrainOutputs(Path(trained.out_dir)))
     return trained
 
 
@@ -291,6 +292,8 @@ def launch_env(cfg: Config) -> dict[str, str]:
     # gloo ranks then fail to connect; a fresh store per restart fixes it.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env["MLFLOW_TRACKING_URI"] = resolve_tracking_uri(cfg)
+    env[SPOOL_ENV] = str(Path(cfg.ops.tracking_spool).resolve())
+    env[FLUSH_ENV] = str(cfg.ops.tracking_flush_s)
     env["FORGELINE_GIT_COMMIT"] = git_info()["git.commit"]
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -49,7 +49,10 @@ def serving(cmd: list[str], env: dict[str, str], log_path: Path, health_url: str
                 time.sleep(1)
             yield process
         finally:
-            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:  # the test killed it already
+                return
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:  # a Prefect worker can outlive SIGTERM, polling a stopped API

@@ -1,0 +1,372 @@
+"""The tracking spool: every write a forgeline process makes to an MLflow run goes first to a
+local append-only file, then to the tracking store from a background thread, in order.
+
+A tracking server that restarts, is redeployed or falls over must never block a training step
+or kill a rank, and must not lose a metric. So a write is durable on local disk before the store
+sees it: `<spool>/<run_id>/<writer>-<host>-<pid>.jsonl`, one JSON record a line, with
+`<same>.sent` counting the records the store accepted. While the store does not answer, records
+wait in the file and the sender retries with backoff; when it answers again they are replayed,
+in order. What a process leaves unsent when it ends (the store never came back) waits for the
+next `forgeline sync`, which replays every file no live writer holds (a writer keeps an flock on
+its file).
+
+Replay is idempotent, so a record sent twice (the store committed it, the answer was lost) is
+recorded once: MLflow keeps one metric per (key, value, timestamp, step) -- the timestamp is
+taken when the write is spooled, not when it is sent -- logging a param again with its value is a
+no-op, and tags, artifacts and a run's end overwrite. A record the store refuses for good (a
+param changed value, a deleted run) is moved to `<file>.rejected` with the reason and skipped.
+
+Imports nothing of forgeline: the rank program, the in-training evaluation and the stages use it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# For the processes the train stage starts (the ranks, the in-training evaluation): the spool
+# directory (ops.tracking_spool) and how long to wait for the store at the end (ops.tracking_flush_s).
+SPOOL_ENV = "FORGELINE_TRACKING_SPOOL"
+FLUSH_ENV = "FORGELINE_TRACKING_FLUSH_S"
+# MLflow's limits per log_batch request.
+MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100
+RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0
+# Answers that resending cannot change: the record is rejected, not retried.
+PERMANENT_ERRORS = frozenset({"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE",
+                              "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST"})
+
+
+class TrackingSpool:
+    """The spool of one writer (a process) for one run. `log_*` return once the record is on
+    disk; with `wait=True`, and while the store answers, they also wait (at most `wait_s`) until
+    it is sent, so a read after a write sees it and a refusal reaches the caller."""
+
+    def __init__(self, root: str | Path, run_id: str, tracking_uri: str, writer: str, wait_s: float = 30.0):
+        self.run_id = run_id
+        self.tracking_uri = tracking_uri
+        self.wait_s = wait_s
+        self.dir = Path(root) / run_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / f"{writer}-{socket.gethostname()}-{os.getpid()}.jsonl"
+        self._file = self.path.open("a")
+        fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives
+        self._cond = threading.Condition()
+        self._pending: deque[tuple[int, dict]] = deque()
+        self._written = self._sent = 0
+        self._rejected: dict[int, str] = {}
+        self._outage_since: float | None = None
+        self._failures = 0  # failed attempts to send, all told
+        self._warned = False  # about the outage under way
+        self._closed = False
+        self._stopped = False  # past close's deadline: what is left is sync's
+        self._write({"op": "open", "run_id": run_id, "tracking_uri": tracking_uri})
+        self._sent = 1  # the header is no write to send
+        _write_count(self.path, 1)
+        self._thread = threading.Thread(target=self._send_loop, name=f"tracking-spool-{run_id[:8]}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- writes ---------------------------------------------------------------------------------
+    def log_batch(self, metrics: list[tuple[str, float, int, int]] = (), params: dict[str, str] | None = None,
+                  tags: dict[str, str] | None = None, wait: bool = False) -> None:
+        """Metrics as (key, value, timestamp ms, step); params and tags as strings."""
+        metrics, params, tags = list(metrics), list((params or {}).items()), list((tags or {}).items())
+        last = None
+        for key, items, size in (("metrics", metrics, MAX_METRICS), ("params", params, MAX_PARAMS),
+                                 ("tags", tags, MAX_TAGS)):
+            for start in range(0, len(items), size):
+                last = self._append({"op": "batch", key: items[start:start + size]})
+        self._wait_for(last, wait)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None, wait: bool = False) -> None:
+        """A copy of the file or directory, taken now: the original may change before it is sent."""
+        path = Path(path)
+        copy = self.dir / "files" / f"{self.path.stem}-{self._written}" / path.name
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir():
+            shutil.copytree(path, copy)
+        else:
+            shutil.copy2(path, copy)
+        self._wait_for(self._append({"op": "artifact", "file": str(copy.relative_to(self.dir)),
+                                     "artifact_path": artifact_path}), wait)
+
+    def log_input(self, dataset: dict[str, str], context: str, wait: bool = False) -> None:
+        """An input dataset: name, digest, source_type, source."""
+        self._wait_for(self._append({"op": "input", "dataset": dataset, "context": context}), wait)
+
+    def terminate(self, status: str, wait: bool = False) -> None:
+        self._wait_for(self._append({"op": "terminate", "status": status,
+                                     "end_time": int(time.time() * 1000)}), wait)
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def close(self, deadline_s: float) -> int:
+        """Send what is left, waiting at most `deadline_s` -- and no longer than one more attempt
+        when the store is down already; returns the records still unsent, which stay in the file
+        for `forgeline sync`."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            failures = self._failures
+            down = self._outage_since is not None
+            self._cond.wait_for(lambda: not self._pending or (down and self._failures > failures),
+                                timeout=deadline_s)
+            left = len(self._pending)
+            self._stopped = True
+            self._cond.notify_all()
+        if left:
+            log.warning("tracking store %s: %d write(s) of run %s not sent (%s); they are kept in %s -- "
+                        "`forgeline sync` sends them once the store answers", self.tracking_uri, left,
+                        self.run_id, "it is down" if down else f"not within {deadline_s:.0f} s", self.path)
+        self._file.close()  # and the lock: sync may take the file over
+        return left
+
+    # -- internals ------------------------------------------------------------------------------
+    def _write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()  # in the OS's hands: survives the process being killed
+        self._written += 1
+
+    def _append(self, record: dict) -> int:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"tracking spool {self.path} is closed")
+            self._write(record)
+            self._pending.append((self._written, record))
+            self._cond.notify_all()
+            return self._written
+
+    def _wait_for(self, seq: int | None, wait: bool = True) -> None:
+        if not wait or seq is None:
+            return
+        with self._cond:
+            answered = self._cond.wait_for(lambda: self._sent >= seq or self._outage_since is not None,
+                                           timeout=self.wait_s)
+            if not answered:  # a store that hangs is down too: the next writes do not wait for it
+                self._outage_since = time.time()
+            error = self._rejected.pop(seq, None)
+        if error is not None:
+            raise SpoolRejected(error)
+
+    def _send_loop(self) -> None:
+        from mlflow import MlflowClient  # here: a rank that logs nothing never imports mlflow
+
+        # One warning per outage is the spool's (`_note_outage`), not one per retried request.
+        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+
+        client = MlflowClient(self.tracking_uri)
+        delay, retried_at_close = RETRY_MIN_S, False
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._closed)
+                if not self._pending or self._stopped:
+                    return
+                seq, record = self._pending[0]
+            try:
+                send(client, self.run_id, record, self.dir)
+            except Exception as err:  # noqa: BLE001 -- whatever the store raised, the record waits
+                if is_permanent(err):
+                    self._reject(seq, record, err)
+                    continue
+                self._note_outage(err)
+                with self._cond:  # backing off; a close cuts the wait short once, for one more try
+                    self._cond.wait_for(lambda retried=retried_at_close: self._closed and not retried,
+                                        timeout=delay)
+                    retried_at_close = self._closed
+                delay = min(2 * delay, RETRY_MAX_S)
+                continue
+            delay = RETRY_MIN_S
+            self._delivered(seq)
+
+    def _delivered(self, seq: int) -> None:
+        with self._cond:
+            self._pending.popleft()
+            self._sent = seq
+            _write_count(self.path, seq)
+            if self._outage_since is not None:
+                log.warning("tracking store %s answers again after %.0f s; %d write(s) of run %s still to "
+                            "send", self.tracking_uri, time.time() - self._outage_since, len(self._pending),
+                            self.run_id)
+                self._outage_since, self._warned = None, False
+            self._cond.notify_all()
+
+    def _reject(self, seq: int, record: dict, err: Exception) -> None:
+        log.error("tracking store %s refused a write to run %s, skipped (kept in %s.rejected): %s",
+                  self.tracking_uri, self.run_id, self.path, err)
+        with open(f"{self.path}.rejected", "a") as f:
+            f.write(json.dumps({"record": record, "error": str(err)}) + "\n")
+        with self._cond:
+            self._rejected[seq] = str(err)
+        self._delivered(seq)
+
+    def _note_outage(self, err: Exception) -> None:
+        with self._cond:
+            self._failures += 1
+            first, self._warned = not self._warned, True
+            if self._outage_since is None:
+                self._outage_since = time.time()
+            self._cond.notify_all()  # writers waiting for delivery stop waiting
+            pending = len(self._pending)
+        if first:
+            log.warning("tracking store %s does not answer (%s); run %s's writes go to %s (%d pending) "
+                        "and are sent when it does", self.tracking_uri, str(err).splitlines()[0][:300],
+                        self.run_id, self.path, pending)
+
+
+def spool_from_environment(run_id: str, writer: str) -> TrackingSpool:
+    """The spool of a process the train stage started: the directory and the store (MLflow's
+    MLFLOW_TRACKING_URI) its launcher named in the environment."""
+    return TrackingSpool(os.environ[SPOOL_ENV], run_id, os.environ["MLFLOW_TRACKING_URI"], writer)
+
+
+def flush_deadline_s() -> float:
+    return float(os.environ.get(FLUSH_ENV, "30"))
+
+
+class SpoolRejected(RuntimeError):
+    """The tracking store refused a write for good (e.g. a param logged again with another value)."""
+
+
+def is_permanent(err: Exception) -> bool:
+    return getattr(err, "error_code", None) in PERMANENT_ERRORS
+
+
+def send(client: Any, run_id: str, record: dict, spool_dir: Path) -> None:
+    """One spooled record to the store through `client` (an MlflowClient)."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
+
+    op = record["op"]
+    if op == "batch":
+        metrics = [Metric(key, value, ts, step) for key, value, ts, step in record.get("metrics", [])]
+        client.log_batch(run_id, metrics=metrics,
+                         params=[Param(k, v) for k, v in record.get("params", [])],
+                         tags=[RunTag(k, v) for k, v in record.get("tags", [])])
+    elif op == "artifact":
+        path = spool_dir / record["file"]
+        if path.is_dir():
+            client.log_artifacts(run_id, str(path), record["artifact_path"])
+        else:
+            client.log_artifact(run_id, str(path), record["artifact_path"])
+    elif op == "input":
+        context = InputTag("mlflow.data.context", record["context"])
+        client.log_inputs(run_id, datasets=[DatasetInput(Dataset(**record["dataset"]), tags=[context])])
+    elif op == "terminate":
+        client.set_terminated(run_id, record["status"], record["end_time"])
+    else:
+        raise ValueError(f"unknown spool record {op!r}")
+
+
+def _write_count(path: Path, count: int) -> None:
+    tmp = path.with_name(path.name + ".sent.tmp")
+    tmp.write_text(str(count))
+    os.replace(tmp, path.with_name(path.name + ".sent"))
+
+
+def _sent_count(path: Path) -> int:
+    try:
+        return int(path.with_name(path.name + ".sent").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a spool file; a last line cut short by a crash is not one."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            break
+    return records
+
+
+def spool_files(root: str | Path, run_id: str = "*") -> Iterator[Path]:
+    yield from sorted(Path(root).glob(f"{run_id}/*.jsonl"))
+
+
+def _unheld(path: Path):
+    """The file opened with its writer's lock taken, or None while a live writer holds it."""
+    handle = path.open("a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
+
+
+def unsent(root: str | Path) -> dict[Path, int]:
+    """Records not yet sent, by spool file."""
+    return {path: left for path in spool_files(root)
+            if (left := len(read_records(path)) - _sent_count(path)) > 0}
+
+
+def replay(root: str | Path, run_id: str = "*", discard: bool = True) -> tuple[int, int]:
+    """Send what every spool file (of `run_id`) no live writer holds has left, in order; with
+    `discard`, a run directory whose files are all sent goes. Returns (records sent, records
+    still unsent)."""
+    from mlflow import MlflowClient
+
+    sent = left = 0
+    for path in spool_files(root, run_id):
+        handle = _unheld(path)
+        if handle is None:
+            continue  # its writer is alive and sends it itself
+        with handle:
+            records = read_records(path)
+            done = _sent_count(path)
+            header = records[0]
+            client = MlflowClient(header["tracking_uri"])
+            for seq, record in enumerate(records[done:], start=done + 1):
+                try:
+                    send(client, header["run_id"], record, path.parent)
+                except Exception as err:  # noqa: BLE001
+                    if not is_permanent(err):
+                        log.warning("%s: %d write(s) still unsent: %s", path, len(records) - seq + 1,
+                                    str(err).splitlines()[0][:300])
+                        left += len(records) - seq + 1
+                        break
+                    log.error("%s: write %d refused for good, skipped: %s", path, seq, err)
+                _write_count(path, seq)
+                sent += 1
+    for run_dir in {path.parent for path in spool_files(root, run_id)} if discard else ():
+        discard_sent(run_dir)
+    return sent, left
+
+
+def discard_sent(run_dir: Path) -> bool:
+    """Remove a run's spool directory if every file in it is sent and none is held by a writer."""
+    for path in run_dir.glob("*.jsonl"):
+        handle = _unheld(path)
+        if handle is None:
+            return False
+        handle.close()
+        if len(read_records(path)) > _sent_count(path):
+            return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return True
+
+
+def spooled_metric(root: str | Path, run_id: str, key: str) -> list[tuple[int, float, int]]:
+    """(timestamp, value, step) of every value of metric `key` spooled for the run, sent or not:
+    what the run holds, or will once the store answers."""
+    found = []
+    for path in spool_files(root, run_id):
+        for record in read_records(path)[1:]:
+            found += [(ts, value, step) for k, value, ts, step in record.get("metrics", []) if k == key]
+    return found

@@ -1,0 +1,118 @@
+"""The tracking spool (model/spool.py) against real MLflow stores: a sqlite store, and a server
+address nothing answers on. Writes are durable before they are sent, wait while the store is
+down, are sent in order and exactly once, survive their process, and a refusal does not block
+what follows."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from forgeline.model.spool import SpoolRejected, TrackingSpool, read_records, replay, spooled_metric, unsent
+
+
+def closed_port() -> int:
+    """A port on 127.0.0.1 nothing listens on: a tracking server that is down."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> tuple[MlflowClient, str]:
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    return client, client.create_run(client.create_experiment("spool")).info.run_id
+
+
+def test_writes_reach_the_store_in_order_and_the_spool_keeps_them(tmp_path: Path, store) -> None:
+    client, run_id = store
+    spool = TrackingSpool(tmp_path / "spool", run_id, client.tracking_uri, "rank0")
+    spool.log_batch([("loss", 3.0 - step / 10, 1000 + step, step) for step in range(1, 2501)],
+                    params={"lr": "0.001"}, tags={"stage": "train"}, wait=True)
+    spool.terminate("FINISHED")
+    assert spool.close(30) == 0
+    history = client.get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, 2501))  # 3 requests of <= 1000 metrics
+    run = client.get_run(run_id)
+    assert run.data.params == {"lr": "0.001"} and run.data.tags["stage"] == "train"
+    assert run.info.status == "FINISHED"
+    assert len(spooled_metric(tmp_path / "spool", run_id, "loss")) == 2500  # read without the store
+    assert not unsent(tmp_path / "spool")
+
+
+def test_a_store_that_is_down_costs_the_writer_nothing_and_sync_sends_it_all(tmp_path: Path, store) -> None:
+    client, run_id = store
+    down = TrackingSpool(tmp_path / "spool", run_id, f"http://127.0.0.1:{closed_port()}", "rank0")
+    for step in range(1, 31):
+        down.log_batch([("loss", float(step), 1000 + step, step)], wait=True)  # returns at once when down
+    assert down.close(0.5) > 0  # left for sync, in the file
+    [(path, left)] = unsent(tmp_path / "spool").items()
+    assert left == 30
+
+    # The store is back (here: the run's own store, written into the file's header).
+    records = read_records(path)
+    records[0]["tracking_uri"] = client.tracking_uri
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert replay(tmp_path / "spool") == (30, 0)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(1, 31))
+    assert not (tmp_path / "spool" / run_id).exists()  # all sent: the run's spool goes
+
+
+def test_replay_sends_each_write_once_even_if_it_was_sent_before(tmp_path: Path, store) -> None:
+    """A write the store committed but whose answer was lost is sent again: the run holds it once."""
+    client, run_id = store
+    spool = TrackingSpool(tmp_path / "spool", run_id, client.tracking_uri, "rank0")
+    spool.log_batch([("loss", float("nan"), 1000, 1), ("loss", 2.0, 1001, 2)], params={"a": "1"},
+                    tags={"t": "x"}, wait=True)
+    spool.close(30)
+    [path] = (tmp_path / "spool" / run_id).glob("*.jsonl")
+    Path(f"{path}.sent").write_text("1")  # as if no answer had come back
+    assert replay(tmp_path / "spool") == (3, 0)
+    assert len(client.get_metric_history(run_id, "loss")) == 2
+
+
+def test_a_refused_write_is_reported_and_skipped(tmp_path: Path, store) -> None:
+    client, run_id = store
+    spool = TrackingSpool(tmp_path / "spool", run_id, client.tracking_uri, "stage")
+    spool.log_batch(params={"lr": "0.1"}, wait=True)
+    with pytest.raises(SpoolRejected, match="lr"):
+        spool.log_batch(params={"lr": "0.2"}, wait=True)  # a param never changes value
+    spool.log_batch([("loss", 1.0, 1000, 1)], wait=True)
+    assert spool.close(30) == 0
+    assert client.get_run(run_id).data.metrics == {"loss": 1.0}
+    assert "lr" in Path(f"{spool.path}.rejected").read_text()
+
+
+def test_sync_leaves_a_live_writers_spool_alone_and_takes_a_dead_ones(tmp_path: Path, store) -> None:
+    client, run_id = store
+    writer = ("import sys, time\nfrom forgeline.model.spool import TrackingSpool\n"
+              "spool = TrackingSpool(sys.argv[1], sys.argv[2], sys.argv[3], 'rank0')\n"
+              "spool.log_batch([('loss', 1.0, 1000, 1)])\nprint('spooled', flush=True)\n"
+              "time.sleep(float(sys.argv[4]))\n")
+    alive = subprocess.Popen([sys.executable, "-c", writer, str(tmp_path / "spool"), run_id,
+                              f"http://127.0.0.1:{closed_port()}", "600"], stdout=subprocess.PIPE, text=True)
+    assert alive.stdout.readline().strip() == "spooled"
+    try:
+        assert replay(tmp_path / "spool") == (0, 0)  # its writer holds it and sends it itself
+    finally:
+        alive.kill()
+        alive.wait()
+    assert sum(unsent(tmp_path / "spool").values()) == 1  # killed: the write is still in the file
+    [path] = unsent(tmp_path / "spool")
+    records = read_records(path)
+    records[0]["tracking_uri"] = client.tracking_uri
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert replay(tmp_path / "spool") == (1, 0)
+    assert client.get_run(run_id).data.metrics == {"loss": 1.0}
+
+
+def test_a_line_cut_short_by_a_crash_is_not_a_record(tmp_path: Path) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"op": "open", "run_id": "r", "tracking_uri": "x"}\n{"op": "batch", "metr')
+    assert read_records(path) == [{"op": "open", "run_id": "r", "tracking_uri": "x"}]
