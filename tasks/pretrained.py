@@ -13,9 +13,9 @@ its weights on local disk, its shape, its tokenizer and the sha256 of its weight
     org/name                            the Hugging Face hub, only where it is switched on
 
 Everything that can be wrong with a base -- an unreadable or missing file, an architecture
-forgeline cannot represent, a model version that does not exist -- fails here, before any
-stage work. The ranks read the weights themselves, each only its shards (model/hf.py
-load_hf_weights, or a DCP load of a checkpoint's weights).
+forgeline cannot represent, a model version that does not exist or whose registration is
+incomplete -- fails here, before any stage work. The ranks read the weights themselves, each
+only its shards (model/hf.py load_hf_weights, or a DCP load of a checkpoint's weights).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pathlib import Path
 import mlflow
 import yaml
 from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from pydantic import ValidationError
 from transformers import AutoConfig
@@ -47,6 +48,11 @@ CACHE_ENV = "FORGELINE_CACHE"
 REGISTRY_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")
 PACKAGE_PATH = re.compile(r"^package:(?P<package>[A-Za-z_]\w*)/(?P<path>.+)$")
+# A model version's registration state (tasks/register.py): `incomplete` from its creation until
+# its tags and the `candidate` alias are set, then `complete`, set last. Versions registered before
+# forgeline recorded it have no such tag, and were registered whole: complete.
+REGISTRATION_TAG = "forgeline.registration"
+INCOMPLETE, COMPLETE = "incomplete", "complete"
 
 
 @dataclass(frozen=True)
@@ -200,7 +206,31 @@ def registry_base(cfg: Config, name: str, alias: str | None, version: str | None
         which = f"alias @{alias}" if alias else f"version {version}"
         raise ConfigError(f"model.init_from={cfg.model.init_from}: registered model {name!r} has no {which} "
                           f"in the registry at {tracking_uri} ({err.message.splitlines()[0]})") from None
+    try:
+        check_complete(found, tracking_uri)
+    except IncompleteRegistration as err:
+        raise ConfigError(f"model.init_from={cfg.model.init_from}: {err}") from None
     return registered_export(tracking_uri, name, str(found.version)), f"{name}/{found.version}"
+
+
+class IncompleteRegistration(ValueError):
+    """A model version whose registration was interrupted: never used as a base, candidate or
+    champion until a rerun of its register stage completes it."""
+
+
+def is_complete(version: ModelVersion) -> bool:
+    return version.tags.get(REGISTRATION_TAG, COMPLETE) == COMPLETE
+
+
+def check_complete(version: ModelVersion, registry: str) -> ModelVersion:
+    """`version` if its registration is complete; else an error saying how to complete it."""
+    if not is_complete(version):
+        raise IncompleteRegistration(
+            f"{version.name} version {version.version} in the registry at {registry} is an incomplete "
+            f"registration ({REGISTRATION_TAG}={version.tags[REGISTRATION_TAG]}: its register stage was "
+            "interrupted before the version had all its tags and aliases), so it is not used. Rerun that "
+            f"register stage (run {version.run_id}; the same train and eval outputs) to complete it")
+    return version
 
 
 def registered_export(tracking_uri: str, name: str, version: str) -> Path:

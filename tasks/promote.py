@@ -13,7 +13,8 @@ paired_comparison):
   - inconclusive: anything else. The decision then states the minimum detectable difference at
     the current item counts and the limits that would resolve a difference the size of d.
 The first version becomes champion (there is nothing to compare with); `--force` moves the alias
-regardless. Where no comparison can be made here (the candidate has no per-item results, or the
+regardless. A version whose registration is incomplete (tasks/register.py) is never judged, nor
+made champion. Where no comparison can be made here (the candidate has no per-item results, or the
 champion would have to be evaluated on a suite this code and data do not render), the decision
 is inconclusive, saying why: the version stays registered and the alias where it was. Every
 decision is a set of version tags: the outcome with its reasons and the intervals it rests on.
@@ -43,7 +44,7 @@ from forgeline.eval.scores import Z80_POWER, Z95, detectable_difference, paired_
 from forgeline.eval.suite import render_suite, suite_fingerprint
 from forgeline.tasks.compare import ITEMS_ARTIFACT, logged_items
 from forgeline.tasks.evaluate import EvaluatedItems, cached_scores
-from forgeline.tasks.pretrained import registered_export, registry_key
+from forgeline.tasks.pretrained import check_complete, registered_export, registry_key
 
 log = logging.getLogger(__name__)
 
@@ -153,13 +154,19 @@ class Decision:
         return text + (f". {self.advice[0].upper()}{self.advice[1:]}" if self.advice else "")
 
 
-def current_champion(client: MlflowClient, model_name: str) -> ModelVersion | None:
+def aliased(client: MlflowClient, model_name: str, alias: str) -> ModelVersion | None:
+    """The version `alias` points at; None when the model or the alias does not exist (not when
+    the registry fails to answer: that raises)."""
     try:
-        return client.get_model_version_by_alias(model_name, CHAMPION_ALIAS)
+        return client.get_model_version_by_alias(model_name, alias)
     except MlflowException as err:
-        if err.error_code == "RESOURCE_DOES_NOT_EXIST" or "alias" in str(err).lower():
+        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             return None
         raise
+
+
+def current_champion(client: MlflowClient, model_name: str) -> ModelVersion | None:
+    return aliased(client, model_name, CHAMPION_ALIAS)
 
 
 def champion_on_items(cfg: Config, client: MlflowClient, champion: ModelVersion,
@@ -227,11 +234,18 @@ def decide(cfg: Config, client: MlflowClient, candidate: ModelVersion,
     return decision, evidence_tags(comparison, str(champion.version), advice)
 
 
+def recorded_decision(version: ModelVersion) -> str | None:
+    """The gate's decision recorded on `version`, in words; None if the gate has not decided on it."""
+    tag = version.tags.get(DECISION_TAG)
+    return None if tag is None else f"{version.name} version {version.version} was decided on before: {tag}"
+
+
 def promote(cfg: Config, client: MlflowClient, version: str, force: bool = False) -> Decision:
     """Move `champion` to `version` of `registry.model_name` if the gate passes (or `force`), and
-    record the decision and its evidence as version tags."""
+    record the decision and its evidence as version tags. A version whose registration is
+    incomplete is refused (pretrained.IncompleteRegistration): it never becomes champion."""
     name = cfg.registry.model_name
-    candidate = client.get_model_version(name, version)
+    candidate = check_complete(client.get_model_version(name, version), client.tracking_uri)
     champion = current_champion(client, name)
     before = str(champion.version) if champion else None
     evidence = {}

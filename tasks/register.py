@@ -3,11 +3,21 @@ as a pyfunc text generator over that export (what `mlflow models serve` and
 `mlflow.pyfunc.load_model` load) and register it as a new version of `registry.model_name`,
 tagged with its lineage and eval scores.
 
+Registration is all-or-nothing and idempotent. A version is created with its registration key
+(`registration_key`: the model name, the checkpoint, the tokenizer and the eval scores) and
+`forgeline.registration=incomplete` in one call; its tags and the `candidate` alias follow, and
+`forgeline.registration=complete` last. Lookups never use an incomplete version (as base,
+candidate or champion: tasks/pretrained.py `check_complete`). When a step fails and the registry
+still answers, the incomplete version is deleted and the alias put back; when it does not answer,
+the error says so and the version stays incomplete. A rerun with the same key finds the version
+and completes it, or returns it when it is complete: one version per key.
+
 Output (`registry.out_dir`): `registered.json` (run id, model name, version, model URI).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import tempfile
@@ -18,18 +28,24 @@ from typing import Any
 
 import mlflow
 import pandas as pd
+import requests
 import torch
 from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
 from mlflow.models.signature import ModelSignature
 from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forgeline.configs import Config
+from forgeline.model.checkpoint.manager import MANIFEST_NAME
+from forgeline.model.fileio import sha256_file
 from forgeline.model.hf import export_hf
 from forgeline.model.inference import load_from_checkpoint
 from forgeline.tasks.atomic import write_text_atomic
 from forgeline.tasks.evaluate import ITEMS_NAME, read_eval_metrics
-from forgeline.tasks.promote import promote
+from forgeline.tasks.pretrained import COMPLETE, INCOMPLETE, REGISTRATION_TAG, is_complete
+from forgeline.tasks.promote import aliased, promote, recorded_decision
 from forgeline.tasks.tracking import DATA_VERSION_TAG, RunTracker, dvc_hash
 from forgeline.tasks.train.job import read_train_summary
 
@@ -37,6 +53,13 @@ log = logging.getLogger(__name__)
 
 REGISTERED_NAME = "registered.json"
 CANDIDATE_ALIAS = "candidate"
+REGISTRATION_KEY_TAG = "forgeline.registration.key"
+HEALTH_TIMEOUT_S = 5  # asking a tracking server whether it answers at all
+
+
+class RegistrationError(RuntimeError):
+    """Registering failed; the message names the registry, the state the version is left in and
+    what to do."""
 
 
 class HFGenerator(mlflow.pyfunc.PythonModel):
@@ -83,10 +106,12 @@ class RegisterResult:
 
 
 def register_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> RegisterResult:
-    """The register stage's function (tasks/stage.py): a new version of the trained checkpoint,
-    tagged with its lineage and eval scores, then the promotion gate."""
+    """The register stage's function (tasks/stage.py): a version of the trained checkpoint,
+    tagged with its lineage and eval scores -- the one registered before for the same checkpoint
+    and scores, if any --, then the promotion gate, unless it decided on that version before."""
     train = read_train_summary(cfg)
     scores = read_eval_metrics(cfg)
+    tokenizer_dir = Path(cfg.data.out_dir) / "tokenizer"
     version_tags = {DATA_VERSION_TAG: dvc_hash(cfg.data.out_dir),
                     "forgeline.checkpoint_step": str(train.step),
                     **{f"eval.{k}": f"{v:.6g}" for k, v in scores.items() if is_version_score(k)}}
@@ -94,11 +119,31 @@ def register_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> R
         version_tags["forgeline.pipeline_run_id"] = parent.run_id
     # The per-item results go with the version (the gate pairs them with the champion's).
     run.log_artifact(Path(cfg.eval.out_dir) / ITEMS_NAME, "eval")
-    registered = register_model(cfg, run, train.checkpoint, str(Path(cfg.data.out_dir) / "tokenizer"),
-                                version_tags)
-    registry = MlflowClient(run.client.tracking_uri, run.client.tracking_uri)
-    decision = promote(cfg, registry, registered.version)
-    return replace(registered, promotion=decision.describe())
+    key = registration_key(cfg.registry.model_name, Path(train.checkpoint), tokenizer_dir, scores)
+    registered = register_model(cfg, run, train.checkpoint, str(tokenizer_dir), version_tags, key)
+    uri = run.client.tracking_uri
+    registry = MlflowClient(uri, uri)
+    try:
+        decided = recorded_decision(registry.get_model_version(registered.model_name, registered.version))
+        decided = decided or promote(cfg, registry, registered.version).describe()
+    except MlflowException as err:
+        raise RegistrationError(
+            f"{registered.model_name} version {registered.version} is registered in the registry at {uri} "
+            f"and complete (@{CANDIDATE_ALIAS}), but the promotion gate could not decide on it "
+            f"({first_line(err)}): rerun the register stage (it registers nothing new) or "
+            f"`forgeline promote --version {registered.version}` once the registry answers") from err
+    return replace(registered, promotion=decided)
+
+
+def registration_key(model_name: str, checkpoint: Path, tokenizer_dir: Path, scores: dict[str, float]) -> str:
+    """What identifies a registration, stored as the version's REGISTRATION_KEY_TAG: sha256 over the
+    registered model's name, the checkpoint's manifest (the sha256 of every file, the step and the
+    training attempt that wrote it: a retrained identical model is another registration), the
+    tokenizer and the eval scores the version is tagged with. Not the run, the pipeline run, the
+    code or the registry: a rerun of the stage on the same train and eval outputs has the same key."""
+    record = {"model_name": model_name, "checkpoint_manifest": sha256_file(checkpoint / MANIFEST_NAME),
+              "tokenizer": sha256_file(tokenizer_dir / "tokenizer.json"), "eval": scores}
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
 def is_version_score(metric: str) -> bool:
@@ -117,32 +162,131 @@ def record_registration(cfg: Config, run: RunTracker, parent: RunTracker | None,
 
 
 def register_model(cfg: Config, run: RunTracker, checkpoint: str, tokenizer_dir: str,
-                   version_tags: dict[str, str]) -> RegisterResult:
-    """Export the checkpoint as a Hugging Face model, log it under `run` and register a model
-    version."""
+                   version_tags: dict[str, str], key: str) -> RegisterResult:
+    """The model version registered under `key`, complete: the one registered before (completed
+    if its registration was interrupted), else a new one -- the checkpoint exported as a Hugging
+    Face model, logged under `run` and registered."""
+    name, uri = cfg.registry.model_name, run.client.tracking_uri
+    client = MlflowClient(uri, uri)
+    try:
+        version = version_with_key(client, name, key)
+    except MlflowException as err:
+        raise RegistrationError(f"the model registry at {uri} did not answer ({first_line(err)}): nothing "
+                                "was registered; rerun the register stage once it answers") from err
+    if version is not None and is_complete(version):
+        log.info("%s version %s holds these outputs already (%s %s): nothing to register", name,
+                 version.version, REGISTRATION_KEY_TAG, key[:12])
+    else:
+        if version is None:
+            version = create_version(cfg, client, run, checkpoint, tokenizer_dir, key)
+        else:
+            log.info("completing %s version %s: its registration was interrupted", name, version.version)
+        complete_registration(client, uri, version, version_tags)
+        log.info("registered %s version %s (alias %s)", name, version.version, CANDIDATE_ALIAS)
+    result = RegisterResult(run_id=version.run_id, model_name=name, version=str(version.version),
+                            model_uri=f"models:/{name}/{version.version}")
+    write_text_atomic(Path(cfg.registry.out_dir) / REGISTERED_NAME,
+                      json.dumps(asdict(result), indent=2) + "\n")
+    return result
+
+
+def version_with_key(client: MlflowClient, name: str, key: str) -> ModelVersion | None:
+    """The version of `name` registered under `key`: a complete one before an incomplete one
+    (there is one unless registrations of the same outputs ran at once)."""
+    found = client.search_model_versions(f"name = '{name}' AND tags.`{REGISTRATION_KEY_TAG}` = '{key}'")
+    return min(found, key=lambda v: (not is_complete(v), int(v.version))) if found else None
+
+
+def create_version(cfg: Config, client: MlflowClient, run: RunTracker, checkpoint: str, tokenizer_dir: str,
+                   key: str) -> ModelVersion:
+    """A new version of the exported checkpoint, created with its key and marked incomplete in
+    one call (what a rerun finds)."""
+    name, uri = cfg.registry.model_name, client.tracking_uri
     model = load_from_checkpoint(checkpoint)
-    mlflow.set_tracking_uri(run.client.tracking_uri)
+    mlflow.set_tracking_uri(uri)
     with tempfile.TemporaryDirectory() as scratch:
         hf_dir = export_hf(model, tokenizer_dir, Path(scratch) / "hf")
-        with mlflow.start_run(run_id=run.run_id, nested=True):
-            info = mlflow.pyfunc.log_model(
-                name="model",
-                python_model=HFGenerator(),
-                artifacts={"hf": str(hf_dir)},
-                signature=SIGNATURE,
-                input_example=pd.DataFrame({"prompt": ["ROMEO:"]}),
-                pip_requirements=[f"{name}=={package_version(name)}" for name in
-                                  ("torch", "transformers", "tokenizers", "safetensors", "pandas")],
-                registered_model_name=cfg.registry.model_name,
-            )
-    client = MlflowClient(run.client.tracking_uri)
-    version = str(info.registered_model_version)
-    for key, value in version_tags.items():
-        client.set_model_version_tag(cfg.registry.model_name, version, key, value)
-    client.set_registered_model_alias(cfg.registry.model_name, CANDIDATE_ALIAS, version)
-    result = RegisterResult(run_id=run.run_id, model_name=cfg.registry.model_name,
-                            version=version, model_uri=f"models:/{cfg.registry.model_name}/{version}")
-    out_dir = Path(cfg.registry.out_dir)
-    write_text_atomic(out_dir / REGISTERED_NAME, json.dumps(asdict(result), indent=2) + "\n")
-    log.info("registered %s version %s (alias %s)", result.model_name, version, CANDIDATE_ALIAS)
-    return result
+        try:
+            with mlflow.start_run(run_id=run.run_id, nested=True):
+                info = mlflow.pyfunc.log_model(
+                    name="model",
+                    python_model=HFGenerator(),
+                    artifacts={"hf": str(hf_dir)},
+                    signature=SIGNATURE,
+                    input_example=pd.DataFrame({"prompt": ["ROMEO:"]}),
+                    pip_requirements=[f"{package}=={package_version(package)}" for package in
+                                      ("torch", "transformers", "tokenizers", "safetensors", "pandas")],
+                )
+            return mlflow.register_model(info.model_uri, name, tags={REGISTRATION_KEY_TAG: key,
+                                                                     REGISTRATION_TAG: INCOMPLETE})
+        except (MlflowException, requests.RequestException) as err:
+            raise RegistrationError(
+                f"registering {name} in the model registry at {uri} failed before the version was complete "
+                f"({first_line(err)}): no version of these outputs is usable. Rerun the register stage once "
+                "the registry answers: it registers them once (completing the version this attempt "
+                "created, if it got that far)") from err
+
+
+def complete_registration(client: MlflowClient, uri: str, version: ModelVersion,
+                          tags: dict[str, str]) -> None:
+    """Tag `version`, alias it `candidate` and mark it complete, last. On a failure, a registry
+    that answers has the version deleted and the alias put back where it was; one that does not
+    keeps it incomplete, for a rerun to complete."""
+    name, number = version.name, str(version.version)
+    previous, step = None, f"reading alias @{CANDIDATE_ALIAS}"
+    try:
+        if aliased_before := aliased(client, name, CANDIDATE_ALIAS):
+            previous = str(aliased_before.version)
+        for tag, value in tags.items():
+            step = f"setting its tag {tag}"
+            client.set_model_version_tag(name, number, tag, value)
+        step = f"setting alias @{CANDIDATE_ALIAS}"
+        client.set_registered_model_alias(name, CANDIDATE_ALIAS, number)
+        step = f"setting its tag {REGISTRATION_TAG}={COMPLETE}"
+        client.set_model_version_tag(name, number, REGISTRATION_TAG, COMPLETE)
+    except Exception as err:
+        raise interrupted(client, uri, version, step, err, previous) from err
+
+
+def interrupted(client: MlflowClient, uri: str, version: ModelVersion, step: str, err: Exception,
+                previous: str | None) -> RegistrationError:
+    """The error of a registration that failed while `step`, after undoing it if the registry
+    answers."""
+    name, number = version.name, str(version.version)
+    what = f"{name} version {number} in the model registry at {uri}"
+    unused = (f"It stays incomplete ({REGISTRATION_TAG}={INCOMPLETE}), so it is never used as champion, "
+              "candidate or base")
+    if not registry_answers(uri):
+        return RegistrationError(
+            f"the model registry at {uri} stopped answering while registering {name} version {number}, at "
+            f"{step} ({first_line(err)}). {unused}. Rerun the register stage once the registry answers: it "
+            f"completes version {number} instead of registering another")
+    try:
+        client.delete_model_version(name, number)
+        if previous is not None and previous != number:
+            client.set_registered_model_alias(name, CANDIDATE_ALIAS, previous)
+    except Exception as cleanup:
+        return RegistrationError(
+            f"registering {what} failed at {step} ({first_line(err)}), and deleting the incomplete version "
+            f"failed too ({first_line(cleanup)}). {unused}. Rerun the register stage: it completes it")
+    back = f" and @{CANDIDATE_ALIAS} is on version {previous}" if previous not in (None, number) else ""
+    return RegistrationError(
+        f"registering {what} failed at {step} ({first_line(err)}); the incomplete version was deleted{back} "
+        "as before: nothing was registered. Rerun the register stage once the cause is fixed")
+
+
+def registry_answers(uri: str) -> bool:
+    """Whether the registry at `uri` answers now. A tracking server is asked once, with a short
+    timeout: MLflow's client retries a dead one for minutes. A database store: assumed to (the
+    clean-up that follows finds out)."""
+    if not uri.startswith(("http://", "https://")):
+        return True
+    try:
+        requests.get(f"{uri.rstrip('/')}/health", timeout=HEALTH_TIMEOUT_S)
+    except requests.RequestException:
+        return False
+    return True
+
+
+def first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:500]

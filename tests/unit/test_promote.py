@@ -3,14 +3,38 @@ is tests/integration/test_promotion.py."""
 
 from __future__ import annotations
 
+import json
 import random
+import socket
+from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion, ModelVersionTag
+from mlflow.exceptions import MlflowException
 
+from forgeline.configs import Config
 from forgeline.eval.dimensions import task_score
 from forgeline.eval.scores import TaskItems, paired_comparison
 from forgeline.tasks.evaluate import EvaluatedItems
-from forgeline.tasks.promote import INCONCLUSIVE, PROMOTED, REJECTED, judge, resolution
+from forgeline.tasks.pretrained import (
+    COMPLETE,
+    INCOMPLETE,
+    REGISTRATION_TAG,
+    IncompleteRegistration,
+    is_complete,
+)
+from forgeline.tasks.promote import (
+    CHAMPION_ALIAS,
+    INCONCLUSIVE,
+    PROMOTED,
+    REJECTED,
+    aliased,
+    judge,
+    promote,
+    resolution,
+)
+from forgeline.tasks.register import registration_key
 
 PLAN = {"reasoning": {"tasks": ["forgeline_piqa", "forgeline_boolq"], "limit": 200, "num_fewshot": 0},
         "knowledge": {"tasks": ["forgeline_mmlu"], "limit": 200, "num_fewshot": 0}}
@@ -155,3 +179,51 @@ def test_too_few_shared_items_for_an_interval_is_inconclusive_not_an_error() -> 
     disjoint = paired_comparison(one_item, none_of_them, evaluated(one_item).scores())
     unshared = ", ".join(sorted(CHAMPION))
     assert judge(disjoint, list(PLAN), 0.0, 0.05).reasons == [f"no shared items in {unshared}"]
+
+
+def test_a_version_is_complete_once_marked_and_one_registered_before_the_mark_counts_as_complete() -> None:
+    def version(tags: dict[str, str]) -> ModelVersion:
+        return ModelVersion("m", "1", 0, tags=[ModelVersionTag(k, v) for k, v in tags.items()])
+
+    assert is_complete(version({REGISTRATION_TAG: COMPLETE}))
+    assert not is_complete(version({REGISTRATION_TAG: INCOMPLETE}))
+    assert is_complete(version({"forgeline.checkpoint_step": "20"}))  # registered before the mark
+
+
+def test_an_incomplete_version_is_never_judged_nor_made_champion(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = Config().with_values({"registry.tracking_uri": uri, "registry.model_name": "m"})
+    client = MlflowClient(uri, uri)
+    client.create_registered_model("m")
+    client.create_model_version("m", str(tmp_path), tags={REGISTRATION_TAG: INCOMPLETE})
+    with pytest.raises(IncompleteRegistration, match=f"m version 1 in the registry at {uri} is an incomplete "
+                                                     "registration"):
+        promote(cfg, client, "1", force=True)
+    assert aliased(client, "m", CHAMPION_ALIAS) is None
+    client.set_model_version_tag("m", "1", REGISTRATION_TAG, COMPLETE)
+    assert promote(cfg, client, "1").promoted
+    assert str(aliased(client, "m", CHAMPION_ALIAS).version) == "1"
+
+
+def test_a_registry_that_does_not_answer_is_not_taken_for_one_without_a_champion(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Else a flaky registry would let a candidate become champion without the gate."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens: refused
+    with pytest.raises(MlflowException, match="Connection refused"):
+        aliased(MlflowClient(url, url), "m", CHAMPION_ALIAS)
+
+
+def test_the_registration_key_is_the_model_name_checkpoint_tokenizer_and_scores(tmp_path: Path) -> None:
+    checkpoint, tokenizer = tmp_path / "step-00000020", tmp_path / "tokenizer"
+    for directory, name in ((checkpoint, "forgeline-checkpoint.json"), (tokenizer, "tokenizer.json")):
+        directory.mkdir()
+        (directory / name).write_text(json.dumps({"of": name}))
+    key = registration_key("m", checkpoint, tokenizer, {"overall": 0.5})
+    assert key == registration_key("m", checkpoint, tokenizer, {"overall": 0.5}) and len(key) == 64
+    assert key != registration_key("other", checkpoint, tokenizer, {"overall": 0.5})
+    assert key != registration_key("m", checkpoint, tokenizer, {"overall": 0.25})
+    (checkpoint / "forgeline-checkpoint.json").write_text(json.dumps({"of": "another training attempt"}))
+    assert key != registration_key("m", checkpoint, tokenizer, {"overall": 0.5})
