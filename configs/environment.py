@@ -23,6 +23,21 @@ ENV_DEFAULTS = {
     # Prefect's temporary local API migrates a new database on first start, which takes
     # longer than its 20 s default on 2 cores.
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    # Bounded waits on the Prefect API (README: "When the Prefect API goes away"). Prefect's
+    # defaults (5 retries backing off 2, 4, ... 32 s; 60 s per request) hold each call about a
+    # minute against an API that is gone, and a flow makes several after its work: the command
+    # hung for minutes. With these a call gives up within about 7 s on a refused connection and
+    # about 70 s on a server that hangs (3 tries x 20 s + backoff); `forgeline sync` replays
+    # the final states the API missed.
+    "PREFECT_CLIENT_MAX_RETRIES": "2",
+    "PREFECT_API_REQUEST_TIMEOUT": "20",
+    # Bounded waits on an MLflow tracking server: MLflow's own defaults (7 retries with backoff,
+    # 120 s per request) hold one call for about 4 minutes against a server that is down. With
+    # these a call gives up within about 2 s on a refused connection and ~95 s on a server that
+    # hangs (3 tries x 30 s + backoff); the tracking spool (model/spool.py) retries for good.
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
     # Stage functions log to `forgeline.*` loggers; Prefect forwards them to its run logs.
     "PREFECT_LOGGING_EXTRA_LOGGERS": "forgeline",
 }

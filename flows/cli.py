@@ -12,10 +12,12 @@
     forgeline compare RUN_ID RUN_ID... [--diff-only]
     forgeline deploy [--prefect-file prefect.yaml] [--workdir DIR] [--pool NAME]
     forgeline reproduce RUN_ID [--out DIR] [--tolerance T]
+    forgeline sync   (report what a server missed while it was unreachable: flow run states)
     forgeline lm-eval ARGS...   (lm-eval's own command line, with the `forgeline` model class)
 
 Each verb is one function; `main` is the one place that turns an error into an exit status:
-2 for input that cannot be used (reported before any work), 1 for work that failed.
+2 for input that cannot be used (reported before any work), 1 for work that failed. Work that
+finished while the Prefect API was gone ends 0 with a warning (`StateNotReported`).
 """
 
 from __future__ import annotations
@@ -24,16 +26,22 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from forgeline.configs import Config, ConfigError, load_config
 from forgeline.configs.environment import apply_environment_defaults
 from forgeline.configs.loader import config_docs
+from forgeline.configs.redaction import install_log_scrubber
 from forgeline.configs.schema import ACTIVATION_CHECKPOINT_MODES
 from forgeline.tasks.stage import STAGE_NAMES, STAGES, Stage, resolve, stage_named
+
+if TYPE_CHECKING:  # imports Prefect: the CLI imports it only for the verbs that run flows
+    from forgeline.flows.orchestrator import PendingStates
 
 SNAPSHOT_STAGES = tuple(stage.name for stage in STAGES if stage.snapshot is not None)
 
@@ -126,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="directory the flow runs start in: relative output paths and the default "
                              "MLflow store resolve there (default: the current directory)")
     deploy.add_argument("--pool", default="forgeline", help="work pool (default: forgeline)")
+    sync = verbs.add_parser(
+        "sync", help="send what a server missed while it was unreachable",
+        description="Send what this directory holds for a server that was unreachable when it happened: "
+                    "the writes to MLflow runs that wait in the tracking spool (ops.tracking_spool), in "
+                    "order, to the store each run is in; and the final states of flow runs and their task "
+                    "runs that the Prefect API missed (.forgeline/pending/), set with force in the API each "
+                    "run used. Idempotent; a record goes once its server took it. Exit 1 while some remain "
+                    "pending.")
+    add_config_arguments(sync)
     verbs.add_parser(
         "lm-eval", add_help=False,
         help="lm-evaluation-harness's command line with the `forgeline` model class registered "
@@ -234,8 +251,12 @@ def main(argv: list[str] | None = None) -> int:
                      f"{'|'.join(SNAPSHOT_STAGES)}`")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call
+    install_log_scrubber()  # the console handler; Prefect's own are covered by flow_config
     try:
         return VERBS[args.verb](args)
+    except StateNotReported as unreported:
+        print(f"forgeline: {'warning: ' if unreported.completed else ''}{unreported}", file=sys.stderr)
+        return 0 if unreported.completed else 1
     except WorkFailed as failed:
         print(f"forgeline: {failed}", file=sys.stderr)
         return 1
@@ -246,6 +267,16 @@ def main(argv: list[str] | None = None) -> int:
 
 class WorkFailed(Exception):
     """A flow started and failed; Prefect's log above has its traceback."""
+
+
+class StateNotReported(Exception):
+    """A flow run's work ended but the Prefect API could not be told: its final state waits for
+    `forgeline sync` (flows/orchestrator.py). `completed`: all its work finished, which is the
+    command's to report (exit 0), the state being Prefect's bookkeeping."""
+
+    def __init__(self, message: str, completed: bool) -> None:
+        super().__init__(message)
+        self.completed = completed
 
 
 def unusable_input_errors() -> tuple[type[BaseException], ...]:
@@ -264,7 +295,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     preflight(cfg, STAGES)
     from forgeline.flows.pipeline import pipeline_flow
 
-    result = run_flow(pipeline_flow, config=cfg, force=args.force)
+    result = run_flow(pipeline_flow, dict(config=cfg, force=args.force), STAGES, cfg)
     print(f"MLflow run: {result.run_id}")
     print(f"Registered model: {result.model_name} version {result.model_version}")
     print(f"Promotion: {result.promotion}")
@@ -298,17 +329,69 @@ def rerun_stage(args: argparse.Namespace) -> int:
     from forgeline.flows.stage_flows import STAGE_FLOWS
 
     options = {"from_snapshot": True} if args.from_snapshot else {}
-    result = run_flow(STAGE_FLOWS[stage.name], config=cfg, upstream_run=args.upstream_run, force=args.force,
-                      **options)
+    parameters = dict(config=cfg, upstream_run=args.upstream_run, force=args.force, **options)
+    result = run_flow(STAGE_FLOWS[stage.name], parameters, (stage,), cfg)
     print(f"{stage.name}: {result}")
     return 0
 
 
-def run_flow(flow: Callable, **parameters: object) -> object:
+def run_flow(flow: Callable, parameters: dict[str, object], stages: tuple[Stage, ...] = (),
+             cfg: Config | None = None) -> object:
+    """`flow(**parameters)`. `stages`, those it runs on `cfg`: which of them finished, should the
+    Prefect API go away before the flow run's end is reported."""
+    from prefect.settings import PREFECT_API_URL
+
+    from forgeline.flows import orchestrator
+
+    orchestrator.quiet_api_errors()
+    api_url = PREFECT_API_URL.value()
+    if api_url and any(record.api_url == api_url for record in orchestrator.pending_records()):
+        # This API missed how earlier runs ended: a rerun reports that first, as `forgeline sync` does.
+        for line in orchestrator.replay_flow_states(api_url).lines:
+            logging.getLogger(__name__).info("%s", line)
+    started = time.time()
     try:
         return flow(**parameters)
     except Exception as err:
+        record = orchestrator.unreported_record(started)
+        if record is not None:
+            raise StateNotReported(unreported_message(record, err, stages, cfg), record.completed) from err
+        if isinstance(err, orchestrator.API_ERRORS):  # the flow run could not even start
+            where = api_url or "Prefect's temporary local API"
+            raise WorkFailed(f"{flow.name} did not run: the Prefect API at {where} is unreachable "
+                             f"({type(err).__name__}: {err})") from err
         raise WorkFailed(f"{flow.name} failed: {type(err).__name__}: {err}") from err
+
+
+def unreported_message(record: PendingStates, err: Exception, stages: tuple[Stage, ...],
+                       cfg: Config | None) -> str:
+    """What the work came to (the stage cache says which stages finished), and what becomes of
+    the final state the API never got."""
+    from forgeline.tasks.cache import decide
+
+    def up_to_date(stage: Stage) -> bool:
+        try:
+            return decide(stage, cfg) is None
+        except OSError:  # something it reads is gone (the data stage's snapshot): it would run
+            return False
+
+    finished = [stage.name for stage in stages if up_to_date(stage)]
+    if record.completed and len(stages) == 1:
+        outcome = f"{stages[0].name} finished: its outputs and stage record are written"
+    elif record.completed:
+        outcome = f"every stage finished ({', '.join(finished)})"
+    else:
+        left = [stage.name for stage in stages if stage.name not in finished]
+        outcome = f"{record.flow_name} failed ({record.message})"
+        if stages:
+            outcome += (f"; finished: {', '.join(finished) or 'none'}, not finished: {', '.join(left)} (a "
+                        "rerun skips the finished ones: the stage cache)")
+    summary = f"; {record.message}" if record.completed and record.message else ""
+    where = record.api_url or "Prefect's temporary local API"
+    return (f"{outcome}{summary}. The Prefect API at {where} could not be told ({type(err).__name__}: "
+            f"{err}): flow run {record.flow_run_id} ({record.flow_name}) stays Running there until "
+            f"`forgeline sync`, or the next flow run from this directory, reports it "
+            f"{record.state.capitalize()} once the API is back.")
 
 
 def take_snapshot_only(stage: Stage, cfg: Config) -> int:
@@ -465,8 +548,8 @@ def reproduce_run(args: argparse.Namespace) -> int:
     tracking = [f"registry.tracking_uri={client.tracking_uri}"]
     from forgeline.flows.pipeline import reproduce_flow
 
-    run_id, scores = run_flow(reproduce_flow, config=str(root / "config.yaml"),
-                              overrides=overrides + tracking, reproduces=args.run_id)
+    run_id, scores = run_flow(reproduce_flow, dict(config=str(root / "config.yaml"),
+                                                   overrides=overrides + tracking, reproduces=args.run_id))
     checks = compare(recorded, dvc_hash(root / "data"), scores, args.tolerance)
     print(f"reproduced run {args.run_id} as {run_id} (outputs in {root}):")
     for check in checks:
@@ -480,6 +563,19 @@ def deploy_flows(args: argparse.Namespace) -> int:
 
     print(deploy(Path(args.prefect_file), Path(args.workdir), args.pool), end="")
     return 0
+
+
+def sync_pending(args: argparse.Namespace) -> int:
+    """The tracking spool, then the flow states: each says what it sent and what is left."""
+    from forgeline.flows.orchestrator import replay_flow_states
+    from forgeline.tasks.tracking import sync_tracking
+
+    cfg = load_config(args.config, args.overrides)
+    left = 0
+    for lines, pending in (sync_tracking(cfg), replay_flow_states()):
+        print("\n".join(lines))
+        left += pending
+    return 1 if left else 0
 
 
 def run_lm_eval(lm_eval_args: list[str]) -> int:
@@ -499,7 +595,7 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": run_pipeline, "stage": rerun_stage, "status": show_status, "stages": show_stages,
     "config": show_config,
     "plan": plan_layout, "checkpoints": manage_checkpoints, "promote": promote_version,
-    "compare": compare_runs, "reproduce": reproduce_run, "deploy": deploy_flows,
+    "compare": compare_runs, "reproduce": reproduce_run, "deploy": deploy_flows, "sync": sync_pending,
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import httpx
 from prefect import Flow
 from prefect.blocks.core import Block
 from prefect.client.schemas.objects import FlowRun, State
@@ -14,6 +15,7 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
 from forgeline.configs import Config, ConfigError, load_config
+from forgeline.configs.redaction import install_log_scrubber
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +24,7 @@ def flow_config(config: Config | dict[str, Any] | str | None, overrides: list[st
     """A flow's `config` parameter as a Config: a path or shipped name read with `overrides`
     (deployments, the default), or a config resolved by the caller (the CLI, which has read and
     checked it before starting Prefect; Prefect stores it as a dict)."""
+    install_log_scrubber()  # Prefect's handlers exist now; our code logs nothing in this run before it
     if isinstance(config, Config | dict):
         if overrides:
             raise ConfigError("overrides go with a config path; apply them to a resolved config before")
@@ -47,8 +50,15 @@ def notify_failure(flow: Flow, run: FlowRun, state: State) -> None:
         return  # the run failed on its config; there is no block name to read
     if not cfg.ops.notify_block:
         return
-    block = Block.load(cfg.ops.notify_block)
-    block.notify(subject=f"forgeline: {flow.name} run {run.name} failed",
-                 body=f"Flow run {run.name} ({run.id}) of {flow.name} ended {state.type.value}: "
-                      f"{state.message or 'no message'}")
+    # Bounded by the Prefect client's timeouts and retries (configs/environment.py) and the block's
+    # own HTTP timeout; an API that went away since the failure was reported costs one warning.
+    try:
+        block = Block.load(cfg.ops.notify_block)
+        block.notify(subject=f"forgeline: {flow.name} run {run.name} failed",
+                     body=f"Flow run {run.name} ({run.id}) of {flow.name} ended {state.type.value}: "
+                          f"{state.message or 'no message'}")
+    except httpx.HTTPError as err:
+        log.warning("could not report the failure of %s to %s: %s: %s", run.name, cfg.ops.notify_block,
+                    type(err).__name__, err)
+        return
     log.info("reported the failure of %s to %s", run.name, cfg.ops.notify_block)

@@ -10,6 +10,7 @@ from prefect import flow
 from forgeline.configs import Config
 from forgeline.configs.environment import apply_environment_defaults
 from forgeline.flows.hooks import flow_config, notify_failure, prefect_tags
+from forgeline.flows.orchestrator import final_states_recorded, forget_reported_states
 from forgeline.flows.stage_flows import configured_task
 from forgeline.tasks.reproduce import REPRODUCED_STAGES, REPRODUCES_TAG
 from forgeline.tasks.stage import STAGES
@@ -30,7 +31,8 @@ class PipelineResult:
     detectable: float | None = None  # the smallest overall change the eval's items detect
 
 
-@flow(name="forgeline-pipeline", on_failure=[notify_failure])
+@flow(name="forgeline-pipeline", on_completion=[forget_reported_states],
+      on_failure=[forget_reported_states, notify_failure])
 def pipeline_flow(config: Config | str | None = None, overrides: list[str] | None = None,
                   force: bool = False) -> PipelineResult:
     """Corpus to a registered, evaluated model. `config`: a YAML path or shipped name
@@ -39,8 +41,11 @@ def pipeline_flow(config: Config | str | None = None, overrides: list[str] | Non
     verify."""
     apply_environment_defaults()
     cfg = flow_config(config, overrides)
-    with tracked_run(cfg, run_name("pipeline", cfg, with_layout=True), tags=prefect_tags()) as parent:
-        results = {stage.name: configured_task(stage, cfg)(cfg, parent.run_id, force) for stage in STAGES}
+    with (final_states_recorded() as states,
+          tracked_run(cfg, run_name("pipeline", cfg, with_layout=True), tags=prefect_tags()) as parent):
+        results = {stage.name: states.run(configured_task(stage, cfg), cfg, parent.run_id, force)
+                   for stage in STAGES}
+        states.message = f"MLflow run {parent.run_id}"
     registered, evaluation = results["register"], results["eval"]
     return PipelineResult(run_id=parent.run_id, model_name=registered.model_name,
                           model_version=registered.version, promotion=registered.promotion,
@@ -50,14 +55,17 @@ def pipeline_flow(config: Config | str | None = None, overrides: list[str] | Non
                           detectable=evaluation.detectable)
 
 
-@flow(name="forgeline-reproduce", on_failure=[notify_failure])
+@flow(name="forgeline-reproduce", on_completion=[forget_reported_states],
+      on_failure=[forget_reported_states, notify_failure])
 def reproduce_flow(config: str, overrides: list[str], reproduces: str) -> tuple[str, dict[str, float]]:
     """The stages up to eval of a recorded run's config into fresh outputs, every stage forced;
     registers nothing. Returns the new MLflow run id and the eval metrics."""
     apply_environment_defaults()
     cfg = flow_config(config, overrides)
     tags = prefect_tags() | {REPRODUCES_TAG: reproduces}
-    with tracked_run(cfg, run_name("reproduce", cfg, with_layout=True), tags=tags) as parent:
-        results = {stage.name: configured_task(stage, cfg)(cfg, parent.run_id, True)
+    with (final_states_recorded() as states,
+          tracked_run(cfg, run_name("reproduce", cfg, with_layout=True), tags=tags) as parent):
+        results = {stage.name: states.run(configured_task(stage, cfg), cfg, parent.run_id, True)
                    for stage in STAGES if stage.name in REPRODUCED_STAGES}
+        states.message = f"MLflow run {parent.run_id}"
     return parent.run_id, results["eval"].metrics

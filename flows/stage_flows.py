@@ -3,10 +3,14 @@ per stage, which the pipeline flow chains, and one flow per stage for rerunning 
 (`forgeline stage NAME`, `dvc repro`, or a per-stage deployment). A stage flow reads its inputs
 from the upstream output directories named in the config -- or, with `upstream_run`, from the
 ones an earlier run recorded -- and records its work as an MLflow run with the stage's run
-nested under it, like the pipeline does."""
+nested under it, like the pipeline does.
+
+A finished stage is not lost to the Prefect API going away: its report artifact is left out, and
+the flow's final states wait for `forgeline sync` (flows/orchestrator.py)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from prefect import Flow, Task, flow, task
@@ -19,9 +23,12 @@ from prefect.tasks import exponential_backoff
 from forgeline.configs import Config
 from forgeline.configs.environment import apply_environment_defaults
 from forgeline.flows.hooks import flow_config, notify_failure, prefect_tags
+from forgeline.flows.orchestrator import API_ERRORS, final_states_recorded, forget_reported_states
 from forgeline.tasks.runner import UPSTREAM_RUN_TAG, reads_layout, run_stage, upstream_outputs
 from forgeline.tasks.stage import STAGE_NAMES, STAGES, Stage, resolve, stage_named
 from forgeline.tasks.tracking import run_name, tracked_run
+
+log = logging.getLogger(__name__)
 
 
 def stage_task(stage: Stage) -> Task:
@@ -35,11 +42,22 @@ def stage_task(stage: Stage) -> Task:
         run_key = str(task_run.id) if stage.retries else None
         result = run_stage(stage, cfg, parent_run_id, force, run_key, from_snapshot)
         if stage.report is not None:
-            create_markdown_artifact(markdown=resolve(stage.report)(result), key=f"forgeline-{stage.name}",
-                                     description=stage.summary)
+            report(stage, result)
         return result
 
     return run
+
+
+def report(stage: Stage, result: Any) -> None:
+    """The stage's Markdown report as a Prefect artifact. Its outputs and stage record are written
+    already: an API that has gone away costs the report, not the finished stage (a raise here
+    would fail the task, and retry it)."""
+    try:
+        create_markdown_artifact(markdown=resolve(stage.report)(result), key=f"forgeline-{stage.name}",
+                                 description=stage.summary)
+    except API_ERRORS as err:
+        log.warning("stage %s finished; its report artifact is left out: the Prefect API could not take it "
+                    "(%s: %s)", stage.name, type(err).__name__, err)
 
 
 STAGE_TASKS = {stage.name: stage_task(stage) for stage in STAGES}
@@ -73,8 +91,9 @@ def run_one_stage(stage: Stage, config: Config | str | None, overrides: list[str
             cfg = cfg.with_values(upstream_outputs(cfg, stage, upstream_run))
         tags[UPSTREAM_RUN_TAG] = upstream_run
     # `stage train ...` holds the nested `train ...` run, as `pipeline ...` holds all four.
-    with tracked_run(cfg, run_name(f"stage {stage.name}", cfg, reads_layout(stage)), tags=tags) as parent:
-        return configured_task(stage, cfg)(cfg, parent.run_id, force, from_snapshot)
+    with (final_states_recorded() as states,
+          tracked_run(cfg, run_name(f"stage {stage.name}", cfg, reads_layout(stage)), tags=tags) as parent):
+        return states.run(configured_task(stage, cfg), cfg, parent.run_id, force, from_snapshot)
 
 
 def stage_flow(stage: Stage) -> Flow:
@@ -91,7 +110,8 @@ def stage_flow(stage: Stage) -> Flow:
             return run_one_stage(stage, config, overrides, upstream_run, force, from_snapshot)
     one_stage.__doc__ = stage.summary
     return flow(name=f"forgeline-{stage.name}", description=stage.summary,
-                on_failure=[notify_failure])(one_stage)
+                on_completion=[forget_reported_states],
+                on_failure=[forget_reported_states, notify_failure])(one_stage)
 
 
 STAGE_FLOWS = {name: stage_flow(stage_named(name)) for name in STAGE_NAMES}

@@ -1,6 +1,12 @@
+import logging
+import os
+import socket
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -79,3 +85,82 @@ def test_plan_across_nodes_needs_a_rendezvous(tmp_path: Path, capsys: pytest.Cap
                  "--write-config", str(tmp_path / "p.yaml")]) == 2
     assert "pass --set parallel.rdzv_endpoint=HOST:PORT" in capsys.readouterr().err
     assert not (tmp_path / "p.yaml").exists()
+
+
+def closed_port_url() -> str:
+    """The URL of a Prefect API that nothing answers: a port just bound and released."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}/api"
+
+
+def pending_record(api_url: str, state: str = "COMPLETED"):
+    from forgeline.flows.orchestrator import PendingStates
+
+    return PendingStates(api_url=api_url, flow_run_id=str(uuid.uuid4()), flow_name="forgeline-train",
+                         state=state, message="", finished_at="2026-01-01T00:00:00+00:00", pid=os.getpid(),
+                         task_runs=[{"id": str(uuid.uuid4()), "name": "train", "state": state}])
+
+
+def test_sync_with_nothing_pending_says_so_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["sync"]) == 0
+    assert "flow states: none pending in .forgeline/pending" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_pending_flow_state_round_trips_and_waits_while_its_api_is_unreachable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    from forgeline.flows.orchestrator import PendingStates, forget, pending_records, unreported_record
+
+    monkeypatch.chdir(tmp_path)
+    started = time.time()
+    record = pending_record(closed_port_url())
+    path = record.write()
+    assert path == Path(".forgeline", "pending", f"{record.flow_run_id}.json")
+    assert PendingStates.read(path) == record and pending_records() == [record]
+    assert unreported_record(started) == record  # written by this process since the flow started
+
+    assert main(["sync"]) == 1  # the API does not answer: the record stays for the next sync
+    out = capsys.readouterr().out
+    assert f"flow run {record.flow_run_id} (forgeline-train) still pending: the Prefect API at" in out
+    assert "did not take it (ConnectError" in out
+    assert pending_records() == [record]
+
+    forget(record.flow_run_id)
+    assert list(tmp_path.iterdir()) == []  # no empty .forgeline/ left in a checkout
+
+
+def test_the_message_lists_the_stages_a_rerun_skips(tmp_path: Path) -> None:
+    import httpx
+
+    from forgeline.flows.cli import unreported_message
+    from forgeline.tasks.stage import STAGES
+    from tests.conftest import debug_config
+
+    record = pending_record("http://127.0.0.1:1/api", state="FAILED")
+    message = unreported_message(record, httpx.ConnectError("refused"), STAGES, debug_config(tmp_path))
+    assert ("finished: none, not finished: data, train, eval, register (a rerun skips the finished ones"
+            in message)
+    assert f"flow run {record.flow_run_id} (forgeline-train) stays Running" in message
+    assert "reports it Failed once the API is back" in message
+
+
+def test_api_errors_log_one_line() -> None:
+    import httpx
+
+    from forgeline.flows.orchestrator import QuietApiErrors
+
+    try:
+        raise httpx.ConnectError("refused")
+    except httpx.ConnectError:
+        failed = logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "Encountered %r", ("x",),
+                                   sys.exc_info())
+    service = logging.LogRecord("prefect._internal.concurrency", logging.ERROR, __file__, 1,
+                                "Service %r failed to process item %r",
+                                ("EventsWorker", SimpleNamespace(event="prefect.task-run.Completed")), None)
+    assert QuietApiErrors().filter(failed) and QuietApiErrors().filter(service)
+    assert failed.exc_info is None
+    assert service.getMessage() == ("Service 'EventsWorker' failed to process item "
+                                    "'prefect.task-run.Completed'")
