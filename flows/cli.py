@@ -12,7 +12,7 @@
     forgeline compare RUN_ID RUN_ID... [--diff-only]
     forgeline deploy [--prefect-file prefect.yaml] [--workdir DIR] [--pool NAME]
     forgeline reproduce RUN_ID [--out DIR] [--tolerance T]
-    forgeline sync   (report what a server missed while it was unreachable: flow run states)
+    forgeline sync [--config PATH] [--set ...]   (what servers missed: tracking writes, flow states)
     forgeline lm-eval ARGS...   (lm-eval's own command line, with the `forgeline` model class)
 
 Each verb is one function; `main` is the one place that turns an error into an exit status:

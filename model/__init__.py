@@ -1,8 +1,9 @@
 """The model and everything that runs on a training rank.
 
 This folder holds the architecture (`llama.py`, layout-independent initialization in `init.py`),
-its Hugging Face adapter (`hf.py`), single-process inference (`inference.py`) and the durable
-file helpers its formats share (`fileio.py`). Below it, one folder per layer of the rank side:
+its Hugging Face adapter (`hf.py`), single-process inference (`inference.py`), the durable
+file helpers its formats share (`fileio.py`) and the tracking spool every forgeline process
+writes MLflow runs through (`spool.py`). Below it, one folder per layer of the rank side:
 
     parallel/     mesh, apply_tp / apply_ac / apply_compile / apply_fsdp, pipeline split, planner
     checkpoint/   sharded DCP checkpoints with a commit protocol, the persistent storage tier
