@@ -3,7 +3,7 @@ local append-only file, then to the tracking store from a background thread, in 
 
 A tracking server that restarts, is redeployed or falls over must never block a training step
 or kill a rank, and must not lose a metric. So a write is durable on local disk before the store
-sees it: `<spool>/<run_id>/<writer>-<host>-<pid>.jsonl`, one JSON record a line, with
+sees it: `<spool>/<run_id>/<writer>-<host>-<pid>-<n>.jsonl`, one JSON record a line, with
 `<same>.sent` counting the records the store accepted. While the store does not answer, records
 wait in the file and the sender retries with backoff; when it answers again they are replayed,
 in order. What a process leaves unsent when it ends (the store never came back) waits for the
@@ -22,6 +22,7 @@ Imports nothing of forgeline: the rank program, the in-training evaluation and t
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ FLUSH_ENV = "FORGELINE_TRACKING_FLUSH_S"
 # MLflow's limits per log_batch request.
 MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0
+_SPOOL_NUMBERS = itertools.count()
 # Answers that resending cannot change: the record is rejected, not retried.
 PERMANENT_ERRORS = frozenset({"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE",
                               "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST"})
@@ -59,7 +61,8 @@ class TrackingSpool:
         self.wait_s = wait_s
         self.dir = Path(root) / run_id
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / f"{writer}-{socket.gethostname()}-{os.getpid()}.jsonl"
+        # One file per spool, also of a run a process opens again (a Prefect retry in the same process).
+        self.path = self.dir / f"{writer}-{socket.gethostname()}-{os.getpid()}-{next(_SPOOL_NUMBERS)}.jsonl"
         self._file = self.path.open("a")
         fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives
         self._cond = threading.Condition()
@@ -114,6 +117,13 @@ class TrackingSpool:
     def pending(self) -> int:
         with self._cond:
             return len(self._pending)
+
+    @property
+    def waiting(self) -> int:
+        """Writes waiting for a store that does not answer (0 while it does: what is pending then
+        goes within moments)."""
+        with self._cond:
+            return len(self._pending) if self._outage_since is not None else 0
 
     def close(self, deadline_s: float) -> int:
         """Send what is left, waiting at most `deadline_s` -- and no longer than one more attempt

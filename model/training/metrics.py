@@ -127,9 +127,9 @@ class MetricsLogger:
         self._buffer = []
 
     def _pending_note(self) -> str:
-        """How many tracking writes wait for the store, when any do."""
-        pending = self.spool.pending if self.spool is not None else 0
-        return f"  (tracking: {pending} write(s) pending)" if pending else ""
+        """How many tracking writes wait for a store that does not answer, when any do."""
+        waiting = self.spool.waiting if self.spool is not None else 0
+        return f"  (tracking store down: {waiting} write(s) pending)" if waiting else ""
 
     def close(self) -> None:
         """Spool what is buffered and give the store ops.tracking_flush_s to take it all; what it

@@ -83,19 +83,25 @@ def assert_every_step_once(port: int) -> None:
 
 
 def test_server_killed_mid_run_and_back_before_it_ends(data_root: Path, tmp_path: Path) -> None:
+    """The ranks wait for the test's cues, so that each phase happens in order whatever the
+    machine's speed: after step 10 until the server is killed, after step 30 until rank 0 has
+    found it down (steps 31-60 then train with it down), after step 60 until it is back."""
     port, server_root = free_port(), tmp_path / "server"
     server_root.mkdir()
-    back = tmp_path / "server-is-back"
-    with mlflow_server(server_root, port) as server:  # steps 61-160 wait until it is back
-        stage = start_train(tmp_path, data_root, port, [{"path": "tests.faults:WaitBefore",
-                                                         "args": {"step": 61, "until": str(back)}}])
+    cues = {step: tmp_path / name for step, name in ((11, "killed"), (31, "found-down"), (61, "back"))}
+    waits = [{"path": "tests.faults:WaitBefore", "args": {"step": step, "until": str(cue)}}
+             for step, cue in cues.items()]
+    with mlflow_server(server_root, port) as server:
+        stage = start_train(tmp_path, data_root, port, waits)
         seen: list[str] = []
         read_until(stage, rf"step 10/{STEPS}", seen)
         kill(server)
-    read_until(stage, r"does not answer", seen)
-    read_until(stage, rf"step 60/{STEPS}.*\(tracking: \d+ write\(s\) pending\)", seen)
+    cues[11].touch()
+    read_until(stage, r"\[rank0\].*tracking store .* does not answer", seen)
+    cues[31].touch()
+    read_until(stage, rf"step 60/{STEPS}.*\(tracking store down: \d+ write\(s\) pending\)", seen)
     with mlflow_server(server_root, port):
-        back.touch()
+        cues[61].touch()
         read_until(stage, r"answers again", seen)
         output, _ = stage.communicate(timeout=600)
         assert stage.returncode == 0, "".join(seen)[-3000:] + output[-6000:]
