@@ -43,18 +43,24 @@ def register_with_items(root: Path, data_root: Path, eval_dir: str, seed: str, s
     holds 150 right/wrong answers per task drawn at these accuracies (by dimension), scored under
     suite fingerprint `suite`."""
     cfg = debug_config(root, f"data.out_dir={data_root / 'data'}", f"eval.out_dir={root / eval_dir}")
+    write_synthetic_eval(root / eval_dir, seed, suite, **accuracy)
+    result = run_stage(stage_named("register"), cfg)
+    return cfg, result.version
+
+
+def write_synthetic_eval(eval_dir: Path, seed: str, suite: str = "synthetic", **accuracy: float) -> None:
+    """An eval stage's items.json and metrics.json in `eval_dir`: 150 right/wrong answers per task
+    of PLAN, drawn at these accuracies (by dimension), under suite fingerprint `suite`."""
     rng = random.Random(seed)
     items = {entry["tasks"][0]: {"metric": "exact_match", "aggregation": "mean",
                                  "ids": [f"item-{i}" for i in range(150)],
                                  "values": [float(rng.random() < accuracy[name]) for _ in range(150)]}
              for name, entry in PLAN.items()}
     scores = {f"dimension/{name}": sum(items[PLAN[name]["tasks"][0]]["values"]) / 150 for name in PLAN}
-    (root / eval_dir).mkdir()
-    (root / eval_dir / "items.json").write_text(json.dumps(
-        {"suite": {"fingerprint": suite, "plan": PLAN}, "model": items}))
-    (root / eval_dir / "metrics.json").write_text(json.dumps({"overall": sum(scores.values()) / 2, **scores}))
-    result = run_stage(stage_named("register"), cfg)
-    return cfg, result.version
+    eval_dir.mkdir(exist_ok=True)
+    suite_record = {"fingerprint": suite, "plan": PLAN}
+    (eval_dir / "items.json").write_text(json.dumps({"suite": suite_record, "model": items}))
+    (eval_dir / "metrics.json").write_text(json.dumps({"overall": sum(scores.values()) / 2, **scores}))
 
 
 def aliases(client: MlflowClient, name: str) -> dict[str, str]:

@@ -9,9 +9,7 @@ nothing. A failure while the registry answers deletes the incomplete version and
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import signal
 import subprocess
 import time
@@ -43,7 +41,7 @@ from forgeline.tasks.tracking import DATA_VERSION_TAG
 from forgeline.tasks.train.job import train_model
 from tests.conftest import debug_config
 from tests.integration.helpers import VENV_BIN, free_port, user_env
-from tests.integration.test_promotion import PLAN
+from tests.integration.test_promotion import write_synthetic_eval
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -99,17 +97,8 @@ def evaluated(root: Path, trained: Path, data_root: Path, eval_dir: str, seed: s
               **accuracy: float) -> Config:
     """The config of a register stage on the checkpoint under `trained`, after an eval (under
     `root`/`eval_dir`) whose items.json holds 150 right/wrong answers per task at these accuracies
-    (tests/integration/test_promotion.py register_with_items)."""
-    rng = random.Random(seed)
-    items = {entry["tasks"][0]: {"metric": "exact_match", "aggregation": "mean",
-                                 "ids": [f"item-{i}" for i in range(150)],
-                                 "values": [float(rng.random() < accuracy[name]) for _ in range(150)]}
-             for name, entry in PLAN.items()}
-    scores = {f"dimension/{name}": sum(items[PLAN[name]["tasks"][0]]["values"]) / 150 for name in PLAN}
-    (root / eval_dir).mkdir(exist_ok=True)
-    (root / eval_dir / "items.json").write_text(json.dumps(
-        {"suite": {"fingerprint": "synthetic", "plan": PLAN}, "model": items}))
-    (root / eval_dir / "metrics.json").write_text(json.dumps({"overall": sum(scores.values()) / 2, **scores}))
+    (tests/integration/test_promotion.py write_synthetic_eval)."""
+    write_synthetic_eval(root / eval_dir, seed, **accuracy)
     return debug_config(root, f"data.out_dir={data_root / 'data'}", f"train.out_dir={trained / 'train'}",
                         f"eval.out_dir={root / eval_dir}", f"ops.tracking_spool={root / 'spool'}", *overrides)
 
