@@ -216,10 +216,7 @@ class TrackingSpool:
             self._cond.notify_all()
 
     def _reject(self, seq: int, record: dict, err: Exception) -> None:
-        log.error("tracking store %s refused a write to run %s, skipped (kept in %s.rejected): %s",
-                  self.tracking_uri, self.run_id, self.path, err)
-        with open(f"{self.path}.rejected", "a") as f:
-            f.write(json.dumps({"record": record, "error": str(err)}) + "\n")
+        set_aside(self.path, record, err)
         with self._cond:
             self._rejected[seq] = str(err)
         self._delivered(seq)
@@ -279,6 +276,15 @@ def send(client: Any, run_id: str, record: dict, spool_dir: Path) -> None:
         client.set_terminated(run_id, record["status"], record["end_time"])
     else:
         raise ValueError(f"unknown spool record {op!r}")
+
+
+def set_aside(path: Path, record: dict, err: Exception) -> None:
+    """A record of spool file `path` the store refused for good, kept with the reason in
+    `<path>.rejected` and skipped."""
+    log.error("the tracking store refused a write of %s for good, skipped (kept in %s.rejected): %s",
+              path, path, err)
+    with open(f"{path}.rejected", "a") as f:
+        f.write(json.dumps({"record": record, "error": str(err)}) + "\n")
 
 
 def _write_count(path: Path, count: int) -> None:
@@ -351,7 +357,7 @@ def replay(root: str | Path, run_id: str = "*", discard: bool = True) -> tuple[i
                                     str(err).splitlines()[0][:300])
                         left += len(records) - seq + 1
                         break
-                    log.error("%s: write %d refused for good, skipped: %s", path, seq, err)
+                    set_aside(path, record, err)
                 _write_count(path, seq)
                 sent += 1
     for run_dir in {path.parent for path in spool_files(root, run_id)} if discard else ():

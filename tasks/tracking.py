@@ -7,6 +7,7 @@ active-run stack), so stages can run in Prefect's worker threads and in torchrun
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import logging
 import os
@@ -88,6 +89,7 @@ def resolve_tracking_uri(cfg: Config) -> str:
     return uri
 
 
+@functools.cache  # once per process and store: what it sets persists in the file
 def prepare_sqlite_store(uri: str) -> None:
     """Make the sqlite store at `uri` (an absolute sqlite:/// URI) safe for concurrent writers, one
     process at a time (an flock on `<db>.lock`): processes that open a new store at once otherwise
@@ -95,7 +97,7 @@ def prepare_sqlite_store(uri: str) -> None:
     half-migrated for good. Here the first creates the schema and the others find it. Its journal
     goes to WAL mode, so that readers never wait for the writer nor the writer for readers;
     writers take turns, each waiting up to MLflow's busy timeout (20 s). Both persist in the
-    file: after the first call this costs a lock, a query and a cached client."""
+    file, so a process prepares each store once."""
     import fcntl
     import sqlite3
 
