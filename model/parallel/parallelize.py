@@ -127,6 +127,12 @@ def apply_fsdp(model: nn.Module, fsdp_mesh: DeviceMesh, param_dtype: torch.dtype
     gathered in `param_dtype` for compute, gradients reduced in fp32, and the sharded fp32
     parameters -- and so the optimizer state -- stay fp32."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # A block's forward takes the residual stream, already in param_dtype (the root casts its
+    # own inputs, the embedding computes in param_dtype), and the fp32 rotary table, which FSDP
+    # must not cast: bf16 cannot be viewed as complex (apply_rope), fp16 would round cos and sin.
+    block_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                        cast_forward_inputs=False)
     for block in model.layers.values():
-        fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=fsdp_mesh, mp_policy=block_policy,
+                    reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
