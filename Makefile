@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CONFIG ?=
 SET ?=
 
-.PHONY: install browser run test test-fast test-slow lint repro corpus clean
+.PHONY: install browser slurm run test test-fast test-slow lint repro corpus clean
 
 install: $(VENV)/.installed
 
@@ -29,6 +29,20 @@ browser:
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 			--no-install-recommends chromium chromium-driver; }
+
+# Debian's Slurm 22.05 and munge, for the Slurm launcher's test (tests/integration/test_slurm.py),
+# which starts its own slurmctld and slurmd; munged, their authentication, runs machine-wide and
+# is started here. Needs root and apt; CI runs it before the tests.
+slurm:
+	command -v slurmctld >/dev/null && command -v munged >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends slurm-wlm munge; }
+	test -s /etc/munge/munge.key || { dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 \
+		2>/dev/null && chmod 400 /etc/munge/munge.key; }
+	mkdir -p /run/munge /var/log/munge /var/lib/munge
+	chown -R munge:munge /etc/munge /run/munge /var/log/munge /var/lib/munge
+	pgrep -x munged >/dev/null || runuser -u munge -- munged --force
+	munge -n | unmunge >/dev/null
 
 run: install
 	$(BIN)/forgeline run $(if $(CONFIG),--config $(CONFIG)) $(foreach s,$(SET),--set $(s))

@@ -447,7 +447,13 @@ class ParallelConfig(Section):
     """Nodes the job spans; each runs world_size / nnodes ranks."""
 
     rdzv_endpoint: str = ""
-    """host:port of the c10d rendezvous when nnodes > 1 (the same on every node)."""
+    """host:port of the c10d rendezvous when nnodes > 1 with the torchrun launcher (the same on
+    every node); under Slurm the first node of the job is the rendezvous."""
+
+    launcher: Literal["torchrun", "slurm"] = "torchrun"
+    """How the train stage starts its ranks: `torchrun` on this machine (and, for nnodes > 1, a
+    `forgeline stage train` started on every other node); `slurm`: one sbatch job of nnodes nodes,
+    a torchrun agent on each (the `slurm` section), followed until it ends."""
 
     @property
     def dp(self) -> int:
@@ -488,7 +494,7 @@ class ParallelConfig(Section):
         if self.nproc_per_node % self.tp:
             raise ValueError(f"tp={self.tp} must divide the {self.nproc_per_node} ranks per node, so "
                              "no tensor-parallel group crosses a node")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
+        if self.nnodes > 1 and self.launcher == "torchrun" and not self.rdzv_endpoint:
             raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port reachable from "
                              "every node)")
         self._check_schedule()
@@ -631,6 +637,13 @@ class TrainConfig(Section):
     max_rollbacks: int = Field(3, ge=0)
     """Rollbacks a run may take before it fails with a report of its instability events."""
 
+    preemption_grace_s: PositiveInt = 120
+    """Seconds between a preemption signal -- SIGTERM or SIGUSR1: Slurm's time limit or
+    `--signal`, a Kubernetes eviction, a spot reclaim -- and the SIGKILL that follows it. The
+    ranks finish the step they are in, save it and exit; the job is then requeued (Slurm) or
+    retried (Prefect) and resumes from that checkpoint. torchrun's shutdown timeout, Slurm's
+    `--signal` and Kubernetes' terminationGracePeriodSeconds are set from it."""
+
     callbacks: list[CallbackSpec] = Field(default_factory=list)
     """Extra loop callbacks, e.g. [{path: "my_pkg.callbacks:Profiler", args: {every: 100}}]."""
 
@@ -753,13 +766,48 @@ class RegistryConfig(Section):
     95 % confidence (the upper bound of its paired difference's interval below -this)."""
 
 
+class SlurmConfig(Section):
+    """The sbatch job of the train stage with parallel.launcher=slurm: parallel.nnodes nodes, one
+    torchrun agent on each (srun), their c10d rendezvous on the job's first node. The job runs
+    this installation's Python and reads and writes the same paths, so the nodes share the
+    working directory (a cluster file system)."""
+
+    partition: str = ""
+    """sbatch --partition; empty: the cluster's default."""
+
+    account: str = ""
+    """sbatch --account; empty: the user's default."""
+
+    time_limit: str = ""
+    """sbatch --time, e.g. "2-00:00:00" or "90" (minutes); empty: the partition's default."""
+
+    rdzv_port: int = Field(29400, gt=0, lt=65536)
+    """TCP port of the c10d rendezvous on the job's first node."""
+
+    requeue: bool = True
+    """A preempted job (train.preemption_grace_s) requeues itself and resumes from the
+    checkpoint it saved; off: it ends, and the stage's Prefect retry starts a new job."""
+
+    sbatch_args: list[str] = Field(default_factory=list)
+    """More sbatch options, e.g. ["--gres=gpu:8", "--exclusive", "--qos=high"]."""
+
+    poll_s: PositiveFloat = 2.0
+    """How often the stage asks Slurm for the job's state and reads its output."""
+
+
 class OpsConfig(Section):
     """Unattended operation: Prefect deployments, their notifications, and tracking-store outages."""
 
     notify_block: str = ""
     """Name of a saved Prefect notification block (e.g. a CustomWebhookNotificationBlock or
-    SlackWebhook made with `prefect block create`) that a failed flow run posts to; the
-    webhook URL stays in the block, never in the config. Empty: no notification."""
+    SlackWebhook made with `prefect block create`) that a failed flow run and training alerts
+    (alert_interval_s) post to; the webhook URL stays in the block, never in the config. Empty:
+    no notification."""
+
+    alert_interval_s: float = Field(300.0, ge=0)
+    """Training alerts -- non-finite steps, rollbacks, stragglers, hangs, preemptions, each naming
+    rank and host -- post to notify_block at most once per kind per this many seconds; those held
+    back are counted in the next."""
 
     tracking_spool: str = "artifacts/tracking-spool"
     """Where every write to the MLflow tracking store goes first (model/spool.py), one directory
@@ -780,6 +828,7 @@ class Config(Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     ops: OpsConfig = Field(default_factory=OpsConfig)

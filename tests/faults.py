@@ -87,3 +87,16 @@ class WaitBefore(Callback):
         deadline = time.monotonic() + self.timeout_s
         while not self.until.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+class SignalLauncherBefore(_Once):
+    """Send `signal` (a name: SIGUSR1, SIGTERM) to torchrun, the ranks' launcher, just before step
+    `step` runs, as a scheduler preempting the job would; torchrun passes it on to every rank."""
+
+    def __init__(self, step: int, once: str, signal: str, rank: int = 0):
+        super().__init__(step, once, rank)
+        self.signal = signal
+
+    def pre_step(self, trainer: Trainer) -> None:
+        if self._due(trainer.state.step + 1):
+            os.kill(os.getppid(), getattr(signal, self.signal))

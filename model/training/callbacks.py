@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from forgeline.configs.schema import CallbackSpec, InTrainingEvalConfig, TrainConfig
 from forgeline.model.checkpoint.manager import MANIFEST_NAME, CheckpointManager, step_dir_name
+from forgeline.model.training.alerts import AlertKind, emit_alert
 from forgeline.model.training.loader import (
     DocumentBatch,
     ShardedSampleLoader,
@@ -122,13 +123,20 @@ class CheckpointCallback(Callback):
     def post_step(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         self.manager.poll()
         step = trainer.state.step
-        # After a rollback the step is one already saved: never write it again.
-        if step > self.last_saved and (step % self.every_steps == 0 or step == trainer.total_steps):
-            val = {f"val_{which}": asdict(result) for which, result in
-                   (("last", trainer.state.val_last), ("best", trainer.state.val_best)) if result}
-            self.manager.save(step, self.state, self.meta | val | {"loss": metrics["loss"],
-                                                                   "tokens_seen": trainer.state.tokens_seen})
-            self.last_saved = step
+        if step % self.every_steps == 0 or step == trainer.total_steps:
+            self.save(trainer, metrics)
+
+    def save(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """Start the save of the current step unless it is on disk already (a resumed step, a
+        step saved before, or one a rollback returned to: checkpoints are never rewritten)."""
+        step = trainer.state.step
+        if step <= self.last_saved:
+            return
+        val = {f"val_{which}": asdict(result) for which, result in
+               (("last", trainer.state.val_last), ("best", trainer.state.val_best)) if result}
+        self.manager.save(step, self.state, self.meta | val | {"loss": metrics["loss"],
+                                                               "tokens_seen": trainer.state.tokens_seen})
+        self.last_saved = step
 
     def on_train_end(self, trainer: Trainer) -> None:
         self.manager.close()
@@ -161,8 +169,8 @@ class StabilityCallback(Callback):
         step, result = trainer.state.step, trainer.last_result
         if result.nonfinite:
             self.nonfinite_in_a_row += 1
-            self._event(step, "non-finite loss or gradient: update skipped "
-                              f"({self.nonfinite_in_a_row} in a row)")
+            self._event(step, "nonfinite", "non-finite loss or gradient: update skipped "
+                                           f"({self.nonfinite_in_a_row} in a row)")
             if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
                 self._roll_back(trainer, f"{self.nonfinite_in_a_row} consecutive non-finite steps")
             return
@@ -198,14 +206,17 @@ class StabilityCallback(Callback):
             self._give_up(step, f"{reason} before the first checkpoint: nothing to roll back to")
         trainer.loader.load_state_dict(bad_window_end)  # skip the data of the bad window
         skipped = trainer.loader.global_batch_size * (step - info.step)
-        self._event(step, f"rolled back to step {info.step} after {reason}; skipping the {skipped} samples "
-                          f"read since (rollback {self.rollbacks} of at most {self.cfg.max_rollbacks})")
+        self._event(step, "rollback", f"rolled back to step {info.step} after {reason}; skipping the "
+                                      f"{skipped} samples read since (rollback {self.rollbacks} of at most "
+                                      f"{self.cfg.max_rollbacks})")
         self.losses.clear()
         self.nonfinite_in_a_row = 0
 
-    def _event(self, step: int, message: str) -> None:
+    def _event(self, step: int, kind: AlertKind, message: str) -> None:
         self.events.append(f"step {step}: {message}")
         self.metrics.log_event(step, message, {"rollbacks": self.rollbacks})
+        if self.rank == 0:  # the decision is global: one alert, not one per rank
+            emit_alert(kind, message, step)
 
     def _give_up(self, step: int, reason: str) -> None:
         self.events.append(f"step {step}: {reason}")
@@ -213,6 +224,7 @@ class StabilityCallback(Callback):
         if self.rank == 0:
             self.report_path.write_text(json.dumps({"fingerprint": self.fingerprint, "events": self.events},
                                                    indent=2) + "\n")
+            emit_alert("unstable", f"training gave up: {reason}", step)
         raise TrainingUnstable(report)
 
 
@@ -264,6 +276,8 @@ class InTrainingEvalCallback(Callback):
         self._start_next()
 
     def on_train_end(self, trainer: Trainer) -> None:
+        if trainer.stopped_early:  # the grace period is for the checkpoint: the queue is dropped
+            self._queue.clear()
         while self._queue or self._running is not None:
             if self._running is not None:
                 self._running.wait()

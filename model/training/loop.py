@@ -87,6 +87,8 @@ class Trainer:
     tokens_per_step: int
     callbacks: list[Callback] = field(default_factory=list)
     last_result: StepResult | None = None
+    # Why the loop ends before total_steps (a callback sets it: a preemption); None: it does not.
+    stopped_early: str | None = None
 
     @property
     def loader(self) -> ShardedSampleLoader:
@@ -95,7 +97,7 @@ class Trainer:
     def fit(self) -> None:
         for callback in self.callbacks:
             callback.on_train_start(self)
-        while self.state.step < self.total_steps:
+        while self.state.step < self.total_steps and self.stopped_early is None:
             for callback in self.callbacks:
                 callback.pre_step(self)
             started = time.perf_counter()

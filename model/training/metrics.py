@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from forgeline.model.spool import flush_deadline_s, spool_from_environment
+from forgeline.model.training.alerts import emit_alert
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class MetricsLogger:
         self._interval_steps += 1
         at_interval = step % self.log_every == 0 or step == self.total_steps or "val/loss" in metrics
         if at_interval:
-            metrics |= self._rank_step_times()
+            metrics |= self._rank_step_times(step)
         if self.rank != 0:
             return
         if self.spool is not None:
@@ -95,8 +96,9 @@ class MetricsLogger:
             log.info("%s step %d/%d  %s%s", _bar(step, self.total_steps), step, self.total_steps,
                      "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()), self._pending_note())
 
-    def _rank_step_times(self) -> dict[str, float]:
-        """Mean step time of every rank over the interval; the slowest is named when it lags."""
+    def _rank_step_times(self, step: int) -> dict[str, float]:
+        """Mean step time of every rank over the interval; the slowest is named (and alerted, with
+        its host) when it lags."""
         mine = torch.tensor([self._interval_time / self._interval_steps], device=self.device)
         self._interval_time, self._interval_steps = 0.0, 0
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
@@ -105,8 +107,10 @@ class MetricsLogger:
         median = statistics.median(times)
         slow = straggler(times)
         if self.rank == 0 and slow is not None:
-            log.warning("straggler: rank %d on %s averages %.3fs per step, %.0f%% above the median %.3fs",
-                        slow, self.hosts[slow], times[slow], 100 * (times[slow] / median - 1), median)
+            message = (f"rank {slow} on {self.hosts[slow]} averages {times[slow]:.3f}s per step, "
+                       f"{100 * (times[slow] / median - 1):.0f}% above the median {median:.3f}s")
+            log.warning("straggler: %s", message)
+            emit_alert("straggler", message, step, rank=slow, host=self.hosts[slow])
         return {"step_time_max_s": max(times), "step_time_median_s": median}
 
     def log_event(self, step: int, message: str, counters: dict[str, float]) -> None:

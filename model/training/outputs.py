@@ -33,6 +33,17 @@ class TrainOutputs:
         return self.root / "unstable.json"
 
     @property
+    def preemption_record(self) -> Path:
+        """Written by a preempted attempt once its last step is committed (training/preemption.py);
+        the launcher reads it and removes it."""
+        return self.root / "preempted.json"
+
+    @property
+    def slurm_jobs(self) -> Path:
+        """With parallel.launcher=slurm: the batch script and each job's output file."""
+        return self.root / "slurm"
+
+    @property
     def loss_csv(self) -> Path:
         """The training loss per step, for `dvc plots`."""
         return self.root / "loss.csv"

@@ -56,6 +56,7 @@ from forgeline.model.training.loop import Trainer, TrainerState
 from forgeline.model.training.metrics import MetricsLogger, measure_peak_flops
 from forgeline.model.training.optim import build_lr_scheduler, build_optimizer
 from forgeline.model.training.outputs import TrainOutputs
+from forgeline.model.training.preemption import PREEMPTED_EXIT_CODE, PreemptionCallback, PreemptionNotice
 from forgeline.model.training.shards import MANIFEST_NAME, read_manifest, split_shards
 from forgeline.model.training.step import TrainStep, scaled_loss
 
@@ -128,9 +129,10 @@ def build_train_step(cfg: Config, mesh: DeviceMesh, dp_mesh: DeviceMesh, parts: 
 
 
 def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id: str | None,
-          base: dict | None = None) -> None:
+          base: dict | None = None, preemption: PreemptionNotice | None = None) -> str | None:
     """`base`: the pretrained base's lineage (tasks/pretrained.py Base.lineage) when the run
-    starts from one."""
+    starts from one. Returns why training stopped before its last step (a preemption that
+    `preemption` noted), or None."""
     layout = cfg.parallel
     mesh, dp_mesh = build_meshes(layout, world_size, device.type)
     param_dtype = resolve_precision(cfg.train.precision, device.type)
@@ -184,11 +186,14 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
     validation = [
         ValidationCallback.from_data(cfg.train, data_dir, manifest, loader, train_step.dp_group, device),
     ] if cfg.train.val_every else []
+    saves = CheckpointCallback(checkpoints, state, cfg.checkpoint.every_steps, meta)
     callbacks = [
         *validation,
         MetricsCallback(metrics),
         StabilityCallback(cfg.train, checkpoints, state, metrics, outputs.unstable_report, fingerprint, rank),
-        CheckpointCallback(checkpoints, state, cfg.checkpoint.every_steps, meta),
+        saves,
+        PreemptionCallback(preemption or PreemptionNotice(), saves, outputs.preemption_record,
+                           cfg.train.preemption_grace_s, device, rank),
         *(load_callback(spec) for spec in cfg.train.callbacks),
     ]
     if cfg.train.hang_timeout_s:
@@ -198,8 +203,10 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
     if cfg.eval.during_training.every_steps and rank == 0 and run_id:
         callbacks.append(InTrainingEvalCallback(cfg.eval.during_training, outputs.checkpoints, data_dir,
                                                 run_id, cfg.eval.batch_size))
-    Trainer(total_steps=cfg.train.steps, state=trainer_state, train_step=train_step, device=device,
-            tokens_per_step=tokens_per_step, callbacks=callbacks).fit()
+    trainer = Trainer(total_steps=cfg.train.steps, state=trainer_state, train_step=train_step, device=device,
+                      tokens_per_step=tokens_per_step, callbacks=callbacks)
+    trainer.fit()
+    return trainer.stopped_early
 
 
 def total_peak_flops(cfg: Config, device: torch.device) -> float:
@@ -240,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
                              "and weights_sha256")
     args = parser.parse_args(argv)
     die_with_launcher()
+    preemption = PreemptionNotice()
+    preemption.install()
     apply_environment_defaults()  # inherited from the launcher already; here for a rank started by hand
     cfg = load_config(args.config)
     if cfg.train.deterministic:
@@ -251,9 +260,11 @@ def main(argv: list[str] | None = None) -> None:
         format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        train(cfg, device, rank, world_size, args.mlflow_run_id, args.base)
+        stopped_early = train(cfg, device, rank, world_size, args.mlflow_run_id, args.base, preemption)
     finally:
         dist.destroy_process_group()
+    if stopped_early:
+        sys.exit(PREEMPTED_EXIT_CODE)
 
 
 if __name__ == "__main__":

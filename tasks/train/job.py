@@ -33,15 +33,21 @@ from forgeline.model.spool import FLUSH_ENV, SPOOL_ENV
 from forgeline.model.training.callbacks import STACKS_DIR_ENV, TrainingUnstable, unstable_report
 from forgeline.model.training.loader import num_validation_batches
 from forgeline.model.training.outputs import TrainOutputs
+from forgeline.model.training.preemption import PREEMPTED_EXIT_CODE
 from forgeline.model.training.shards import MANIFEST_NAME, read_manifest
 from forgeline.tasks.atomic import write_text_atomic
 from forgeline.tasks.pretrained import Base, check_data_tokenizer, resolve_base, with_base
 from forgeline.tasks.tracking import DATASET_NAME, RunTracker, dvc_hash, git_info, resolve_tracking_uri
+from forgeline.tasks.train.alerts import AlertForwarder
 from forgeline.tasks.train.curves import write_loss_curve
 from forgeline.tasks.train.launch import LaunchError, run_streaming
+from forgeline.tasks.train.slurm import run_slurm_job
 
 log = logging.getLogger(__name__)
 
+
+# What the launcher adds to the ranks' grace period before it kills what is left of the job.
+LAUNCHER_GRACE_MARGIN_S = 15
 
 # torchrun's line for a worker that died, e.g. "failed (exitcode: -9) local_rank: 1 (pid: 42)".
 WORKER_FAILURE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
@@ -64,13 +70,38 @@ class TrainResult:
     base: dict | None = None  # the pretrained base it started from (tasks/pretrained.py Base.lineage)
 
 
+class TrainPreempted(LaunchError):
+    """The ranks were preempted and saved their last step: a retry resumes from it. `record`: what
+    the preempted ranks recorded (model/training/preemption.py)."""
+
+    def __init__(self, message: str, record: dict | None = None):
+        super().__init__(message)
+        self.record = record
+
+
+def take_preemption_record(outputs: TrainOutputs) -> dict | None:
+    """What a preempted attempt recorded (model/training/preemption.py), removed so that the next
+    attempt starts without it; None when the last attempt was not preempted."""
+    try:
+        record = json.loads(outputs.preemption_record.read_text())
+    except FileNotFoundError:
+        return None
+    outputs.preemption_record.unlink()
+    return record
+
+
 def describe_failure(line: str) -> str | None:
     """'local rank 1 (pid 42) was killed by SIGKILL' from a torchrun failure line."""
     match = WORKER_FAILURE.search(line)
     if match is None:
         return None
     code, local_rank, pid = (int(g) for g in match.groups())
-    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    if code < 0:
+        how = f"was killed by {signal.Signals(-code).name}"
+    elif code == PREEMPTED_EXIT_CODE:
+        how = "was preempted and exited once its step was saved"
+    else:
+        how = f"exited with code {code}"
     return f"local rank {local_rank} (pid {pid}) {how}"
 
 
@@ -91,7 +122,10 @@ def train_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> Trai
     """The train stage's function (tasks/stage.py): the torchrun job, its step metrics in `run`,
     then the loss curve."""
     trained = train_model(cfg, mlflow_run_id=run.run_id)
-    write_loss_curve(Path(cfg.ops.tracking_spool), run.run_id, TrainOutputs(Path(trained.out_dir)))
+    outputs = TrainOutputs(Path(trained.out_dir))
+    write_loss_curve(Path(cfg.ops.tracking_spool), run.run_id, outputs)
+    for job_output in sorted(outputs.slurm_jobs.glob("slurm-*.out")):  # parallel.launcher=slurm
+        run.log_artifact(job_output, "slurm")
     return trained
 
 
@@ -161,34 +195,53 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
     discard_foreign_checkpoints(outputs.checkpoints, fingerprint)
 
     write_text_atomic(outputs.config, rank_config_yaml(cfg))
-    cmd = torchrun_command(cfg, outputs.config, mlflow_run_id, base)
     failures: list[str] = []
     rank_exceptions: list[str] = []
 
-    stacks = Path(tempfile.mkdtemp(prefix="forgeline-stacks-"))
+    # Where every node's ranks can write: a Slurm job's other nodes share only the working directory.
+    stacks = Path(tempfile.mkdtemp(prefix=".stacks-", dir=outputs.root) if cfg.parallel.launcher == "slurm"
+                  else tempfile.mkdtemp(prefix="forgeline-stacks-"))
+    alerts = AlertForwarder.from_config(cfg, mlflow_run_id)
 
-    def note_failure(line: str) -> None:
+    def note_line(line: str) -> None:
+        alerts.on_line(line)
         if (failure := describe_failure(line)) is not None:
             failures.append(failure)
             log.warning("worker failure %d: %s", len(failures), failure)
-            log_hang_stacks(stacks, cfg.train.hang_timeout_s)
+            log_hang_stacks(stacks, cfg.train.hang_timeout_s, alerts)
         elif RANK_EXCEPTION.match(line):
             rank_exceptions.append(line)
 
+    take_preemption_record(outputs)
     try:
-        run_streaming(cmd, launch_env(cfg) | {STACKS_DIR_ENV: str(stacks)}, cfg.train.timeout_s, log,
-                      on_line=note_failure)
+        # Stopped from here (a timeout, Ctrl-C, a cancelled or evicted flow run), the ranks get
+        # SIGTERM and the grace period to save their step, as when a scheduler preempts them.
+        if cfg.parallel.launcher == "slurm":
+            run_slurm_job(cfg, agent_args(cfg, outputs.config, mlflow_run_id, base),
+                          launch_env(cfg) | {STACKS_DIR_ENV: str(stacks)}, outputs.slurm_jobs,
+                          outputs.preemption_record, log, on_line=note_line)
+        else:
+            run_streaming(torchrun_command(cfg, outputs.config, mlflow_run_id, base),
+                          launch_env(cfg) | {STACKS_DIR_ENV: str(stacks)}, cfg.train.timeout_s, log,
+                          grace_s=cfg.train.preemption_grace_s + LAUNCHER_GRACE_MARGIN_S, on_line=note_line)
     except LaunchError as err:
         report = unstable_report(outputs.unstable_report, fingerprint)
         if report:
             raise TrainingUnstable(report) from None
+        if (preempted := take_preemption_record(outputs)) is not None:
+            raise TrainPreempted(describe_preemption(preempted), preempted) from None
         if rank_exceptions:  # lead with what went wrong, not with torchrun's summary
             raise LaunchError(f"training failed: {rank_exceptions[-1]}\n{err}") from None
         raise
     finally:
-        log_hang_stacks(stacks, cfg.train.hang_timeout_s)
+        log_hang_stacks(stacks, cfg.train.hang_timeout_s, alerts)
         shutil.rmtree(stacks, ignore_errors=True)
+        alerts.close()
 
+    if (preempted := take_preemption_record(outputs)) is not None:
+        # Only the ranks were signalled (not torchrun, which restarts them in the job) and the
+        # restart finished the run -- or torchrun exited 0 all the same.
+        log.info("%s; the job went on from there", describe_preemption(preempted))
     final = latest_valid_checkpoint(outputs.checkpoints)
     if final is None or final.step != cfg.train.steps:
         found = "none" if final is None else f"step {final.step}"
@@ -210,9 +263,17 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
     return result
 
 
-def log_hang_stacks(stacks: Path, timeout_s: int) -> None:
+def describe_preemption(record: dict) -> str:
+    return (f"preempted by {record['signal']} on {record['host']}: step {record['step']} was committed "
+            f"{record['seconds_to_commit']:.1f} s after the signal (train.preemption_grace_s="
+            f"{record['grace_s']:.0f}), and a retry resumes from it")
+
+
+def log_hang_stacks(stacks: Path, timeout_s: int, alerts: AlertForwarder) -> None:
     """The stacks the ranks' hang watchdogs dumped (each to its own file: dumps on one stream
-    would interleave), one warning per rank; the files go, so each dump is logged once."""
+    would interleave), one warning per rank, and an alert naming the ranks; the files go, so each
+    dump is logged once."""
+    hung = []
     for path in sorted(stacks.glob("rank*.txt")):
         dump = path.read_text(errors="replace").strip()
         path.unlink()
@@ -220,6 +281,8 @@ def log_hang_stacks(stacks: Path, timeout_s: int) -> None:
             rank, restart = path.stem.removeprefix("rank").split("-restart")
             log.warning("rank %s (start %d of the group) made no step progress for %d s "
                         "(train.hang_timeout_s); its threads:\n%s", rank, int(restart) + 1, timeout_s, dump)
+            hung.append(int(rank))
+    alerts.report_hang(hung, timeout_s)
 
 
 def rank_config_yaml(cfg: Config) -> str:
@@ -260,21 +323,29 @@ def discard_foreign_checkpoints(root: Path, fingerprint: str) -> None:
 def torchrun_command(cfg: Config, config_path: Path, mlflow_run_id: str | None,
                      base: Base | None = None) -> list[str]:
     """One node's launcher: standalone on one node, else a c10d rendezvous that every node's
-    launcher joins (node ranks are assigned by the rendezvous). The ranks read a base's weights
-    from where it was resolved on this node."""
+    launcher joins (node ranks are assigned by the rendezvous)."""
     par = cfg.parallel
     if par.nnodes == 1:
         rendezvous = ["--standalone"]
     else:
         rendezvous = [f"--nnodes={par.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={par.rdzv_endpoint}",
                       f"--rdzv-id=forgeline-{cfg.content_hash()[:12]}"]
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous,
+            *agent_args(cfg, config_path, mlflow_run_id, base)]
+
+
+def agent_args(cfg: Config, config_path: Path, mlflow_run_id: str | None, base: Base | None) -> list[str]:
+    """torchrun's options after the rendezvous, and the rank program with its arguments. The
+    ranks read a base's weights from where it was resolved on this node."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        *rendezvous,
-        f"--nproc-per-node={par.nproc_per_node}",
+        f"--nproc-per-node={cfg.parallel.nproc_per_node}",
         f"--max-restarts={cfg.train.max_restarts}",
+        # torchrun passes these signals on to the ranks and gives them the grace period to save
+        # their step; SIGUSR1, Slurm's usual `--signal`, would otherwise kill it, the ranks with it.
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        f"--shutdown-timeout={cfg.train.preemption_grace_s}",
         "-m", "forgeline.model.training.worker",
-        "--config", str(config_path),
+        "--config", str(config_path.resolve()),
     ]
     if mlflow_run_id:
         cmd += ["--mlflow-run-id", mlflow_run_id]

@@ -1,0 +1,179 @@
+"""The train stage on Slurm (parallel.launcher=slurm): one sbatch job of parallel.nnodes nodes, a
+torchrun agent on each (srun, one task per node), their c10d rendezvous on the job's first node.
+The stage submits it, follows it -- its state, and its output file line by line into the stage's
+log (and so Prefect's) -- cancels it when the stage is stopped (Ctrl-C, a cancelled flow run),
+and reports how it ended. A preempted job (Slurm's `--signal`, a time limit, `scontrol requeue`)
+saves its step (model/training/preemption.py) and requeues itself; the next run of the batch
+script resumes from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from forgeline.configs import Config
+from forgeline.tasks.train.launch import LaunchError
+
+# Job states after which the job runs no more (squeue's and scontrol's names).
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE", "PREEMPTED", "SPECIAL_EXIT"}
+# Rendezvous host and port, from the environment of the batch script.
+RDZV = "--rdzv-endpoint=$FORGELINE_RDZV_HOST:$FORGELINE_RDZV_PORT"
+
+
+@dataclass(frozen=True)
+class JobState:
+    state: str
+    exit_code: str  # "code:signal"
+    restarts: int
+    reason: str
+
+
+def batch_script(cfg: Config, agent_args: Sequence[str], output: Path, preemption_record: Path) -> str:
+    """The sbatch script; `agent_args`: torchrun's options after the rendezvous, and the program."""
+    slurm, par = cfg.slurm, cfg.parallel
+    directives = [f"--job-name=forgeline-train-{cfg.content_hash()[:8]}", f"--nodes={par.nnodes}",
+                  "--ntasks-per-node=1", f"--output={output}", "--open-mode=append",
+                  # Slurm's warning before the time limit: the ranks save their step within it.
+                  f"--signal=USR1@{cfg.train.preemption_grace_s}",
+                  "--requeue" if slurm.requeue else "--no-requeue"]
+    directives += [f"--{key}={value}" for key, value in
+                   (("partition", slurm.partition), ("account", slurm.account), ("time", slurm.time_limit))
+                   if value]
+    directives += slurm.sbatch_args
+    torchrun = " ".join([*map(shlex.quote, [sys.executable, "-m", "torch.distributed.run"]),
+                         "--nnodes=$SLURM_JOB_NUM_NODES", "--rdzv-backend=c10d", RDZV,
+                         "--rdzv-id=forgeline-$SLURM_JOB_ID", *map(shlex.quote, agent_args)])
+    requeue = (f'if [ "$status" -ne 0 ] && [ -f {shlex.quote(str(preemption_record))} ]; then\n'
+               '    echo "forgeline: preempted; requeueing job $SLURM_JOB_ID"\n'
+               '    scontrol requeue "$SLURM_JOB_ID"\n'
+               'fi\n') if slurm.requeue else ""
+    return (
+        "#!/bin/bash\n"
+        + "".join(f"#SBATCH {shlex.quote(d)}\n" for d in directives)
+        + "# Written by forgeline's train stage (tasks/train/slurm.py).\n"
+        # The batch shell outlives a SIGTERM to the job (a requeue, a cancellation): if it ended
+        # first, Slurm would kill the job's steps before the ranks have saved.
+        "trap '' TERM\n"
+        f"cd {shlex.quote(str(Path.cwd()))}\n"
+        'export FORGELINE_RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+        f"export FORGELINE_RDZV_PORT={slurm.rdzv_port}\n"
+        f': "${{OMP_NUM_THREADS:=$(( ${{SLURM_CPUS_ON_NODE:-$(nproc)}} / {par.nproc_per_node} ))}}"\n'
+        "export OMP_NUM_THREADS=$(( OMP_NUM_THREADS > 0 ? OMP_NUM_THREADS : 1 ))\n"
+        f"rm -f {shlex.quote(str(preemption_record))}\n"
+        'echo "forgeline: job $SLURM_JOB_ID (run ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST,'
+        ' rendezvous at $FORGELINE_RDZV_HOST:$FORGELINE_RDZV_PORT"\n'
+        f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c {shlex.quote(torchrun)}\n"
+        "status=$?\n"
+        + requeue
+        + "exit $status\n"
+    )
+
+
+def run_slurm_job(cfg: Config, agent_args: Sequence[str], env: Mapping[str, str], job_dir: Path,
+                  preemption_record: Path, logger: logging.Logger,
+                  on_line: Callable[[str], None] | None = None) -> None:
+    """Submit the job, follow it to its end and raise LaunchError unless it completed."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    script = job_dir / "train.sbatch"
+    output = job_dir.resolve() / "slurm-%j.out"
+    script.write_text(batch_script(cfg, agent_args, output, preemption_record.resolve()))
+    job_id = submit(script, env)
+    output = job_dir.resolve() / f"slurm-{job_id}.out"
+    logger.info("submitted Slurm job %s (%d node(s)); its output: %s", job_id, cfg.parallel.nnodes, output)
+    ended = False
+    try:
+        state = follow(job_id, output, cfg.slurm.poll_s, logger, on_line)
+        ended = True
+    finally:
+        if not ended:  # stopped from here: the ranks get SIGTERM and their grace period to save
+            logger.warning("cancelling Slurm job %s", job_id)
+            subprocess.run(["scancel", job_id], env=env, check=False)
+            wait_for_end(job_id, cfg.train.preemption_grace_s + 30)
+    if state.state != "COMPLETED":
+        reason = f", {state.reason}" if state.reason not in ("", "None") else ""
+        raise LaunchError(f"Slurm job {job_id} ended {state.state} (exit code {state.exit_code}{reason}); "
+                          f"its output: {output}")
+
+
+def submit(script: Path, env: Mapping[str, str]) -> str:
+    done = subprocess.run(["sbatch", "--parsable", str(script)], env=dict(env), capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise LaunchError(f"sbatch refused {script}: {done.stderr.strip()}")
+    return done.stdout.strip().split(";")[0]
+
+
+def job_state(job_id: str) -> JobState | None:
+    """The job as the controller knows it; None once it has forgotten it (MinJobAge)."""
+    done = subprocess.run(["scontrol", "show", "job", "--oneliner", job_id], capture_output=True, text=True)
+    if done.returncode != 0:
+        return None
+    fields = dict(re.findall(r"(\w+)=(\S*)", done.stdout))
+    return JobState(fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "?"),
+                    int(fields.get("Restarts", "0")), fields.get("Reason", ""))
+
+
+def follow(job_id: str, output: Path, poll_s: float, logger: logging.Logger,
+           on_line: Callable[[str], None] | None) -> JobState:
+    """Stream the output file until the job has ended; its last state. A requeued job goes
+    back to PENDING and runs again, appending to the same file."""
+    reader = _LineReader(output)
+    last: JobState | None = None
+    while True:
+        state = job_state(job_id)
+        for line in reader.new_lines():
+            logger.info("%s", line)
+            if on_line is not None:
+                on_line(line)
+        if state is None:
+            if last is None:
+                raise LaunchError(f"Slurm does not know job {job_id}")
+            return last
+        if last is None or (state.state, state.restarts) != (last.state, last.restarts):
+            logger.info("Slurm job %s: %s%s", job_id, state.state,
+                        f" (requeued {state.restarts}x)" if state.restarts else "")
+        last = state
+        if state.state in ENDED:
+            time.sleep(poll_s)  # the last lines may land after the state changed
+            for line in reader.new_lines():
+                logger.info("%s", line)
+                if on_line is not None:
+                    on_line(line)
+            return state
+        time.sleep(poll_s)
+
+
+def wait_for_end(job_id: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = job_state(job_id)
+        if state is None or state.state in ENDED:
+            return
+        time.sleep(1)
+
+
+class _LineReader:
+    """The complete lines appended to a file since the last call."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def new_lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        return [line.decode(errors="replace").rstrip() for line in lines if line.strip()]
