@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import socket
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -33,29 +29,6 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(autouse=True)
 def fault_callbacks_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))  # rank processes import tests.faults
-
-
-@pytest.fixture
-def webhook() -> Iterator[tuple[str, list[dict]]]:
-    """A webhook receiver on 127.0.0.1: its URL and the JSON bodies posted to it."""
-    received: list[dict] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}/hook", received
-    finally:
-        server.shutdown()
 
 
 def faults(root: Path) -> str:
