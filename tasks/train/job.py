@@ -213,16 +213,16 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
             rank_exceptions.append(line)
 
     take_preemption_record(outputs)
+    env = launch_env(cfg) | {STACKS_DIR_ENV: str(stacks)}
     try:
         # Stopped from here (a timeout, Ctrl-C, a cancelled or evicted flow run), the ranks get
         # SIGTERM and the grace period to save their step, as when a scheduler preempts them.
-        if cfg.parallel.launcher == "slurm":
-            run_slurm_job(cfg, agent_args(cfg, outputs.config, mlflow_run_id, base),
-                          launch_env(cfg) | {STACKS_DIR_ENV: str(stacks)}, outputs.slurm_jobs,
+        if cfg.parallel.launcher == "slurm":  # the batch script sizes OMP_NUM_THREADS on its nodes
+            run_slurm_job(cfg, agent_args(cfg, outputs.config, mlflow_run_id, base), env, outputs.slurm_jobs,
                           outputs.preemption_record, log, on_line=note_line)
         else:
             run_streaming(torchrun_command(cfg, outputs.config, mlflow_run_id, base),
-                          launch_env(cfg) | {STACKS_DIR_ENV: str(stacks)}, cfg.train.timeout_s, log,
+                          {"OMP_NUM_THREADS": local_threads(cfg)} | env, cfg.train.timeout_s, log,
                           grace_s=cfg.train.preemption_grace_s + LAUNCHER_GRACE_MARGIN_S, on_line=note_line)
     except LaunchError as err:
         report = unstable_report(outputs.unstable_report, fingerprint)
@@ -354,11 +354,14 @@ def agent_args(cfg: Config, config_path: Path, mlflow_run_id: str | None, base: 
     return cmd
 
 
+def local_threads(cfg: Config) -> str:
+    """OMP_NUM_THREADS for the ranks on this machine, unless set: ranks x threads <= cores, as
+    oversubscribed CPU ranks slow every collective down."""
+    return str(max(1, (os.cpu_count() or 1) // cfg.parallel.nproc_per_node))
+
+
 def launch_env(cfg: Config) -> dict[str, str]:
     env = dict(os.environ)
-    # ranks x threads <= cores: oversubscribed CPU ranks slow every collective down.
-    threads = max(1, (os.cpu_count() or 1) // cfg.parallel.nproc_per_node)
-    env.setdefault("OMP_NUM_THREADS", str(threads))
     # torch 2.13's torchrun reuses the rendezvous TCP store across restarts, and restarted
     # gloo ranks then fail to connect; a fresh store per restart fixes it.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

@@ -89,15 +89,13 @@ def run_slurm_job(cfg: Config, agent_args: Sequence[str], env: Mapping[str, str]
     job_id = submit(script, env)
     output = job_dir.resolve() / f"slurm-{job_id}.out"
     logger.info("submitted Slurm job %s (%d node(s)); its output: %s", job_id, cfg.parallel.nnodes, output)
-    ended = False
     try:
         state = follow(job_id, output, cfg.slurm.poll_s, logger, on_line)
-        ended = True
-    finally:
-        if not ended:  # stopped from here: the ranks get SIGTERM and their grace period to save
-            logger.warning("cancelling Slurm job %s", job_id)
-            subprocess.run(["scancel", job_id], env=env, check=False)
-            wait_for_end(job_id, cfg.train.preemption_grace_s + 30)
+    except BaseException:  # stopped from here: the ranks get SIGTERM and their grace period to save
+        logger.warning("cancelling Slurm job %s", job_id)
+        subprocess.run(["scancel", job_id], env=env, check=False)
+        wait_for_end(job_id, cfg.train.preemption_grace_s + 30)
+        raise
     if state.state != "COMPLETED":
         reason = f", {state.reason}" if state.reason not in ("", "None") else ""
         raise LaunchError(f"Slurm job {job_id} ended {state.state} (exit code {state.exit_code}{reason}); "
@@ -127,13 +125,17 @@ def follow(job_id: str, output: Path, poll_s: float, logger: logging.Logger,
     """Stream the output file until the job has ended; its last state. A requeued job goes
     back to PENDING and runs again, appending to the same file."""
     reader = _LineReader(output)
-    last: JobState | None = None
-    while True:
-        state = job_state(job_id)
+
+    def forward_new_lines() -> None:
         for line in reader.new_lines():
             logger.info("%s", line)
             if on_line is not None:
                 on_line(line)
+
+    last: JobState | None = None
+    while True:
+        state = job_state(job_id)
+        forward_new_lines()
         if state is None:
             if last is None:
                 raise LaunchError(f"Slurm does not know job {job_id}")
@@ -144,10 +146,7 @@ def follow(job_id: str, output: Path, poll_s: float, logger: logging.Logger,
         last = state
         if state.state in ENDED:
             time.sleep(poll_s)  # the last lines may land after the state changed
-            for line in reader.new_lines():
-                logger.info("%s", line)
-                if on_line is not None:
-                    on_line(line)
+            forward_new_lines()
             return state
         time.sleep(poll_s)
 
