@@ -4,6 +4,17 @@ Every reader yields `RawDocument`s with the undecoded bytes of one document, so 
 step (clean.py) decides in one place what invalid UTF-8, binary data and oversized input
 become. `preflight_sources` runs before anything is read or written: a missing path, an
 unreadable file or a parquet file without its text column fails there, naming the file.
+
+The readers stream, so a source may be larger than memory: jsonl files line by line, parquet
+files and `save_to_disk` datasets a batch of rows at a time, `load_dataset` sources with
+`streaming=True` (nothing is downloaded into the datasets cache first).
+
+A `files` source whose path is a URL (`s3://bucket/prefix/**/*.jsonl`, or any other fsspec
+protocol whose package is installed) is listed and read through fsspec, and its documents are
+named by URL. For s3, s3fs finds the endpoint and credentials the way boto does: AWS_ENDPOINT_URL
+(an S3-compatible store such as MinIO), AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or
+AWS_PROFILE, or an instance role), AWS_DEFAULT_REGION; never in the URL. Local paths are read
+with the standard library, unchanged.
 """
 
 from __future__ import annotations
@@ -14,11 +25,14 @@ import json
 import os
 import re
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import IO
 
+import fsspec
 import pyarrow.parquet as pq
 
 from forgeline.configs import Config
@@ -30,6 +44,12 @@ STDLIB_SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "di
 # A UTF-8 character is at most 4 bytes: a file larger than this many bytes per allowed character
 # is too long whatever it holds, and is counted without being read.
 MAX_BYTES_PER_CHAR = 4
+# Rows turned into Python strings at a time from a parquet file or a saved dataset: documents can
+# be large, so a batch, not the file, bounds the memory a reader holds.
+BATCH_ROWS = 1024
+
+# A file of a `files` source: a local Path, or the URL (str) of an object read through fsspec.
+SourceFile = Path | str
 
 
 class SourceError(ValueError):
@@ -48,10 +68,11 @@ def preflight_sources(cfg: Config) -> None:
     """Fail before any work if a source of `cfg.data` cannot be read."""
     for source in cfg.data.sources:
         if source.kind == "files":
-            for path in matching_files(source.path):
-                if not os.access(path, os.R_OK):
-                    raise SourceError(f"data.sources[{source.label}]: {path} is not readable (permissions)")
-                if path.suffix == ".parquet":
+            files = matching_files(source.path)
+            if denied := unreadable(files):
+                raise SourceError(f"data.sources[{source.label}]: {denied[0]} is not readable (permissions)")
+            for path in files:
+                if suffix(path) == ".parquet":
                     check_parquet(path, source.text_field)
         elif source.kind == "hf" and source.path and not Path(source.path).is_dir():
             raise SourceError(f"data.sources[{source.label}]: {source.path} is not a directory saved "
@@ -60,16 +81,65 @@ def preflight_sources(cfg: Config) -> None:
             shakespeare_plays()
 
 
-def matching_files(pattern: str) -> list[Path]:
-    paths = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+def is_url(path: str) -> bool:
+    """Whether `path` names objects through fsspec (s3://bucket/key) rather than local files."""
+    return "://" in path
+
+
+def matching_files(pattern: str) -> list[SourceFile]:
+    """The files `pattern` matches, sorted: local Paths, or object URLs for a URL pattern."""
+    paths = matching_objects(pattern) if is_url(pattern) else sorted(
+        Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
     if not paths:
         raise FileNotFoundError(f"data.sources: no files match {pattern!r}")
     return paths
 
 
-def check_parquet(path: Path, text_field: str) -> None:
+def matching_objects(pattern: str) -> list[str]:
+    fs, path_pattern = fsspec.core.url_to_fs(pattern)
+    found = fs.glob(path_pattern, detail=True)
+    return sorted(fs.unstrip_protocol(path) for path, info in found.items() if info["type"] == "file")
+
+
+def unreadable(files: list[SourceFile]) -> list[SourceFile]:
+    """The files that cannot be read. Objects are asked for their first byte, all at once: the
+    permission to list a bucket does not grant reading its objects."""
+    if not files or not is_url(str(files[0])):
+        return [path for path in files if not os.access(path, os.R_OK)]
+    fs, _ = fsspec.core.url_to_fs(files[0])
+    # An empty object has no first byte (a range read of it fails), and nothing to read.
+    probed = [url for url, size in zip(files, fs.sizes(files), strict=True) if size]
+    firsts = fs.cat_ranges(probed, 0, 1, on_error="return")
+    return [url for url, first in zip(probed, firsts, strict=True) if isinstance(first, Exception)]
+
+
+def suffix(path: SourceFile) -> str:
+    return PurePosixPath(str(path)).suffix
+
+
+def open_file(path: SourceFile, mode: str = "rb", **text_options: str) -> AbstractContextManager[IO]:
+    """`path` opened for reading (in a `with`); an object URL through fsspec."""
+    if is_url(str(path)):
+        return fsspec.open(str(path), mode, **text_options)
+    return open(path, mode, **text_options)
+
+
+def file_size(path: SourceFile) -> int:
+    if is_url(str(path)):
+        fs, object_path = fsspec.core.url_to_fs(str(path))
+        return fs.size(object_path)
+    return Path(path).stat().st_size
+
+
+def read_bytes(path: SourceFile) -> bytes:
+    with open_file(path) as f:
+        return f.read()
+
+
+def check_parquet(path: SourceFile, text_field: str) -> None:
     try:
-        schema = pq.ParquetFile(path).schema_arrow
+        with open_file(path) as f:
+            schema = pq.ParquetFile(f).schema_arrow
     except Exception as err:  # pyarrow raises several types for a damaged file
         raise SourceError(f"{path} is not a readable parquet file: {err}") from None
     if text_field not in schema.names:
@@ -115,30 +185,31 @@ def stdlib_files() -> list[Path]:
                   if not STDLIB_SKIP_DIRS & set(path.relative_to(root).parts[:-1]))
 
 
-def read_path(label: str, path: Path, text_field: str, max_chars: int) -> Iterator[RawDocument]:
-    if path.suffix == ".jsonl":
+def read_path(label: str, path: SourceFile, text_field: str, max_chars: int) -> Iterator[RawDocument]:
+    if suffix(path) == ".jsonl":
         yield from read_jsonl(label, path, text_field)
-    elif path.suffix == ".parquet":
+    elif suffix(path) == ".parquet":
         yield from read_parquet(label, path, text_field)
     else:
         yield read_file(label, path, max_chars)
 
 
-def read_file(label: str, path: Path, max_chars: int) -> RawDocument:
+def read_file(label: str, path: SourceFile, max_chars: int) -> RawDocument:
     """A whole file (gunzipped if it ends in .gz) as one document."""
-    size = path.stat().st_size
-    if path.suffix != ".gz" and size > MAX_BYTES_PER_CHAR * max_chars:
+    compressed = suffix(path) == ".gz"
+    size = file_size(path)
+    if not compressed and size > MAX_BYTES_PER_CHAR * max_chars:
         return RawDocument(label, str(path), None, size)
     try:
-        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        data = gzip.decompress(read_bytes(path)) if compressed else read_bytes(path)
     except (OSError, EOFError) as err:  # a truncated or damaged gzip stream
         raise SourceError(f"{path} cannot be read: {err}") from None
     return RawDocument(label, str(path), data, len(data))
 
 
-def read_jsonl(label: str, path: Path, text_field: str) -> Iterator[RawDocument]:
+def read_jsonl(label: str, path: SourceFile, text_field: str) -> Iterator[RawDocument]:
     """One document per line; surrogateescape keeps invalid UTF-8 bytes for the cleaning step."""
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+    with open_file(path, "r", encoding="utf-8", errors="surrogateescape") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -151,28 +222,51 @@ def read_jsonl(label: str, path: Path, text_field: str) -> Iterator[RawDocument]
             yield RawDocument(label, f"{path}:{number}", data, len(data))
 
 
-def read_parquet(label: str, path: Path, text_field: str) -> Iterator[RawDocument]:
-    table = pq.read_table(path, columns=[text_field])
-    for number, text in enumerate(table.column(text_field).to_pylist()):
-        data = (text or "").encode()
-        yield RawDocument(label, f"{path}#{number}", data, len(data))
+def read_parquet(label: str, path: SourceFile, text_field: str) -> Iterator[RawDocument]:
+    """One document per row, read a batch at a time (pyarrow holds one row group's column)."""
+    with open_file(path) as f:
+        batches = pq.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS, columns=[text_field])
+        texts = (text for batch in batches for text in batch.column(0).to_pylist())
+        for number, text in enumerate(texts):
+            data = (text or "").encode()
+            yield RawDocument(label, f"{path}#{number}", data, len(data))
 
 
 def read_hf(source: SourceConfig) -> Iterator[RawDocument]:
-    import datasets  # heavy; only hf sources need it
-
-    if source.path:
-        loaded = datasets.load_from_disk(source.path)
-        if isinstance(loaded, datasets.DatasetDict):
-            if source.split not in loaded:
-                raise SourceError(f"{source.path} has splits {sorted(loaded)}, not {source.split!r}")
-            loaded = loaded[source.split]
-    else:
-        loaded = datasets.load_dataset(source.dataset, split=source.split,
-                                       data_files=source.data_files or None)
-    if source.text_field not in loaded.column_names:
-        raise SourceError(f"dataset {source.label} has no column {source.text_field!r} "
-                          f"(columns: {loaded.column_names}); set the source's text_field")
-    for number, text in enumerate(loaded[source.text_field]):
+    """One document per row of a `datasets` dataset, streamed rather than loaded whole."""
+    texts = saved_dataset_texts(source) if source.path else streamed_dataset_texts(source)
+    for number, text in enumerate(texts):
         data = (text or "").encode()
         yield RawDocument(source.label, f"{source.label}#{number}", data, len(data))
+
+
+def saved_dataset_texts(source: SourceConfig) -> Iterator[str | None]:
+    import datasets  # heavy; only hf sources need it
+
+    loaded = datasets.load_from_disk(source.path)  # memory-mapped: rows are read as iterated
+    if isinstance(loaded, datasets.DatasetDict):
+        if source.split not in loaded:
+            raise SourceError(f"{source.path} has splits {sorted(loaded)}, not {source.split!r}")
+        loaded = loaded[source.split]
+    check_column(source, loaded.column_names)
+    for batch in loaded.select_columns([source.text_field]).iter(batch_size=BATCH_ROWS):
+        yield from batch[source.text_field]
+
+
+def streamed_dataset_texts(source: SourceConfig) -> Iterator[str | None]:
+    import datasets  # heavy; only hf sources need it
+
+    stream = datasets.load_dataset(source.dataset, split=source.split,
+                                   data_files=source.data_files or None, streaming=True)
+    if stream.column_names is not None:  # known from the builder's features: checked before reading
+        check_column(source, stream.column_names)
+        stream = stream.select_columns([source.text_field])  # the others are not decoded
+    for row in stream:
+        check_column(source, row.keys())  # a stream without features has its columns in its rows
+        yield row[source.text_field]
+
+
+def check_column(source: SourceConfig, columns: Collection[str]) -> None:
+    if source.text_field not in columns:
+        raise SourceError(f"dataset {source.label} has no column {source.text_field!r} "
+                          f"(columns: {list(columns)}); set the source's text_field")

@@ -4,6 +4,7 @@ loading, document boundaries, determinism across worker counts and idempotent re
 
 import gzip
 import json
+import tracemalloc
 from pathlib import Path
 
 import datasets
@@ -14,6 +15,7 @@ import pytest
 import webdataset as wds
 from transformers import PreTrainedTokenizerFast
 
+from forgeline.configs.schema import SourceConfig
 from forgeline.model.fileio import sha256_file
 from forgeline.model.training.shards import (
     SAMPLE_FIELD,
@@ -23,7 +25,7 @@ from forgeline.model.training.shards import (
     split_shards,
 )
 from forgeline.tasks.data.build import build_dataset
-from forgeline.tasks.data.sources import SourceError, read_shakespeare
+from forgeline.tasks.data.sources import BATCH_ROWS, RawDocument, SourceError, read_shakespeare, read_source
 from tests.conftest import debug_config
 
 SCENES = [doc.data.decode() for doc in read_shakespeare("shakespeare")]
@@ -219,3 +221,72 @@ def test_pipeline_preflight_checks_the_sources(tmp_path: Path) -> None:
     cfg = debug_config(tmp_path, f"data.sources=[{{kind: files, path: '{tmp_path}/missing/*.txt'}}]")
     with pytest.raises(FileNotFoundError, match="missing/\\*.txt"):
         preflight(cfg, STAGES)
+
+
+def read_all(**source: object) -> list[RawDocument]:
+    return list(read_source(SourceConfig(**source), max_chars=100_000))
+
+
+def test_parquet_and_datasets_are_read_in_batches_in_row_order(tmp_path: Path) -> None:
+    texts = [f"document {number}" for number in range(BATCH_ROWS * 2 + 5)]
+    texts[3] = None  # a null row is an empty document
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": texts, "id": range(len(texts))}), path, row_group_size=BATCH_ROWS // 3)
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    expected = [(t or "").encode() for t in texts]
+
+    docs = read_all(kind="files", path=str(path), name="pq")
+    assert [doc.data for doc in docs] == expected
+    assert [doc.name for doc in docs] == [f"{path}#{number}" for number in range(len(texts))]
+    for source in ({"path": str(tmp_path / "saved")},
+                   {"dataset": "json", "data_files": [str(tmp_path / "docs.jsonl")]}):
+        docs = read_all(kind="hf", name="ds", **source)
+        assert [doc.data for doc in docs] == expected
+        assert [(doc.source, doc.name, doc.size) for doc in docs] == [
+            ("ds", f"ds#{number}", len(data)) for number, data in enumerate(expected)]
+
+
+@pytest.mark.parametrize("kind", ["parquet", "saved"])
+def test_the_first_document_is_read_without_loading_the_source(tmp_path: Path, kind: str) -> None:
+    texts = [f"{number:07d} " + "x" * 1000 for number in range(16_000)]  # 16 MB of text
+    if kind == "parquet":
+        pq.write_table(pa.table({"text": texts}), tmp_path / "docs.parquet")
+        source = SourceConfig(kind="files", path=str(tmp_path / "docs.parquet"))
+    else:
+        datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+        source = SourceConfig(kind="hf", path=str(tmp_path / "saved"))
+    del texts
+    tracemalloc.start()
+    try:
+        first = next(read_source(source, max_chars=100_000))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert first.data == b"0000000 " + b"x" * 1000
+    assert peak < 4 * 2**20  # a batch of rows, not the 16 MB column as Python strings
+
+
+def test_a_load_dataset_source_is_streamed_not_cached(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in SCENES[:20]))
+    docs = read_all(kind="hf", dataset="json", data_files=[str(tmp_path / "docs.jsonl")])
+    assert [doc.data.decode() for doc in docs] == SCENES[:20]
+    assert not list(cache.rglob("*.arrow"))  # load_dataset without streaming writes the whole dataset there
+
+
+@pytest.mark.parametrize("source", ["saved", "builder", "stream without features"])
+def test_a_dataset_without_the_text_column_names_its_columns(tmp_path: Path, source: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    datasets.Dataset.from_dict({"body": ["a", "b"]}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "docs.jsonl").write_text('{"body": "a"}\n')
+    if source == "stream without features":  # as some hub datasets: the columns come with the rows
+        stream = datasets.IterableDataset.from_generator(lambda: iter([{"body": "a"}]))
+        assert stream.column_names is None
+        monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: stream)
+    where = ({"path": str(tmp_path / "saved")} if source == "saved"
+             else {"dataset": "json", "data_files": [str(tmp_path / "docs.jsonl")]})
+    with pytest.raises(SourceError, match=r"no column 'text' \(columns: \['body'\]\); set the source"):
+        read_all(kind="hf", name="ds", **where)
