@@ -244,9 +244,24 @@ class DataConfig(Section):
     samples_per_shard: PositiveInt = 1024
     """Packed samples per webdataset tar shard."""
 
+    executor: Literal["dask", "pool"] = "dask"
+    """What runs the build's partition work (reading, cleaning, dedup, tokenizing, shard writing).
+    `dask`: Prefect tasks on a `DaskTaskRunner` -- on the cluster at `dask_address`, else on a
+    local cluster of `num_workers` processes started on first use and kept for the process's
+    life. `pool`: forked processes of this machine, without Prefect. The output is identical."""
+
+    dask_address: str | None = None
+    """A running Dask scheduler (`tcp://host:8786`) for `executor: dask`; its workers must see
+    data.raw_dir and data.out_dir's parent at the same paths (a shared filesystem)."""
+
+    partition_mb: float = Field(4.0, gt=0)
+    """Raw (uncompressed) megabytes of snapshot per partition, the unit of the build's parallel
+    work and of its memory: the stage holds a few partitions at a time, not the corpus. The
+    output does not depend on it."""
+
     num_workers: int = Field(0, ge=0)
-    """Worker processes for cleaning and tokenization; 0: one per CPU core. The output does not
-    depend on it."""
+    """Worker processes of the local Dask cluster or the pool; 0: one per CPU core. The output
+    does not depend on it."""
 
     @model_validator(mode="after")
     def _sources_are_named_uniquely(self) -> DataConfig:
@@ -891,9 +906,10 @@ class Config(Section):
 
     def content_hash(self, *sections: str) -> str:
         """Stable sha256 of what the named sections compute: `section_hash` without where outputs
-        go (`out_dir`, `raw_dir`) and how many processes compute them (`num_workers`). Outputs
-        record it (the data manifest, checkpoints), so that moving them or rebuilding with other
-        workers changes no byte of them."""
+        go (`out_dir`, `raw_dir`) and how they are computed (`num_workers`, and the data stage's
+        `executor`, `dask_address`, `partition_mb`). Outputs record it (the data manifest,
+        checkpoints), so that moving them or rebuilding with other workers changes no byte of
+        them."""
         placement = {name: set(PLACEMENT_FIELDS) for name in type(self).model_fields}
         dump = self.model_dump(mode="json", exclude=placement)
         return self._hash(dump, sections)
@@ -934,8 +950,10 @@ class Config(Section):
         return out
 
 
-# Fields that say where outputs go and how many processes compute them, not what is computed.
-PLACEMENT_FIELDS = frozenset({"out_dir", "raw_dir", "num_workers"})
+# Fields that say where outputs go and how many processes, on what, in what pieces compute them,
+# not what is computed.
+PLACEMENT_FIELDS = frozenset({"out_dir", "raw_dir", "num_workers", "executor", "dask_address",
+                              "partition_mb"})
 # Train fields that change how a job runs, not what it computes: a checkpoint written under
 # other values of these can still be resumed. Validation is among them (training is
 # bit-identical with it on or off).

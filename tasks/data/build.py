@@ -2,22 +2,28 @@
 tokenizer -> packed sequences -> webdataset shards.
 
 Two steps: the snapshot of the raw inputs as read (snapshot.py, `data.raw_dir`), then the build
-from that snapshot (this module; cleaning in clean.py, the shard format in
-model/training/shards.py). `forgeline stage data` runs both; `--snapshot-only` and
+from that snapshot (this module; cleaning in clean.py, the partition work in work.py, the shard
+format in model/training/shards.py). `forgeline stage data` runs both; `--snapshot-only` and
 `--from-snapshot` run one each (dvc.yaml's `sources` and `data` stages).
+
+The build streams: it reads the snapshot by partitions of `data.partition_mb`, and every phase
+(work.py) holds a partition, a dedup bucket, a range of the training order or a group of shards
+at a time, with files in a work directory between the phases -- memory does not grow with the
+corpus. What runs the pieces is `data.executor` (executor.py): Prefect tasks on a Dask cluster,
+local or remote, or a local pool. Deduplication is a shuffle across partitions (work.py); the
+decisions only need document numbers, and are taken here in document order.
 
 Output (`data.out_dir`): `tokenizer/` (loads with transformers.PreTrainedTokenizerFast),
 `train-NNNNNN.tar` and `val-NNNNNN.tar` shards, `val_docs.jsonl` (held-out documents for
 evaluation), `manifest.json` (sha256 per shard, tokenizer and config hashes, counts per split,
 and per source its provenance, what each filter removed and, per split, its documents, tokens
 and `sequences`: the packed samples holding at least one of its tokens -- samples mix sources,
-so these add up to more than the split's samples) and `build.json` (a hash of the config, every
-input document and the stage's code, and the sha256 of every file written). Every source is
-checked and everything
-computed before the first byte of either step's output is written; each is written to a
-temporary directory and swapped in whole, so a failed run never leaves a half-written shard
-under its final name. The same inputs, config and code give byte-identical output, and a rerun
-on them rewrites nothing.
+so these add up to more than the split's samples) and `build.json` (a hash of the config, the
+snapshot's files and the stage's code, and the sha256 of every file written). The output is
+built in a temporary directory and swapped in whole, so a failed run never leaves a
+half-written shard under its final name. The same inputs, config and code give byte-identical
+output -- whatever the executor, the number of workers and `data.partition_mb` -- and a rerun on
+them rewrites nothing.
 """
 
 from __future__ import annotations
@@ -25,12 +31,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
+import shutil
 import time
 from collections.abc import Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,32 +43,29 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from forgeline.configs import Config
-from forgeline.configs.schema import CleaningConfig, DataConfig, SourceConfig
+from forgeline.configs.schema import DataConfig, SourceConfig
 from forgeline.model.fileio import sha256_file
-from forgeline.model.training.shards import FORMAT_VERSION, MANIFEST_NAME, write_shard
+from forgeline.model.training.shards import FORMAT_VERSION, MANIFEST_NAME
 from forgeline.tasks.atomic import remove_stale_staging, replace_dir, staging_dir
-from forgeline.tasks.data.clean import Cleaned, Deduplicator, clean_document
-from forgeline.tasks.data.snapshot import SOURCES_NAME, check_snapshot, load_snapshot, take_snapshot
-from forgeline.tasks.data.sources import RawDocument, preflight_sources
+from forgeline.tasks.data import work as w
+from forgeline.tasks.data.executor import Executor, executor_for
+from forgeline.tasks.data.snapshot import (
+    SOURCES_NAME,
+    Member,
+    check_snapshot,
+    read_index,
+    snapshot_members,
+    take_snapshot,
+)
+from forgeline.tasks.data.sources import preflight_sources
 from forgeline.tasks.pretrained import resolve_base
 from forgeline.tasks.stage import stage_named
 from forgeline.tasks.tracking import DATA_VERSION_TAG, DATASET_NAME, RAW_VERSION_TAG, RunTracker, dvc_hash
 
 log = logging.getLogger(__name__)
 
-# Worker inputs, set before the pool forks so that workers inherit them instead of receiving
-# pickled copies; only index ranges travel to the workers.
-_WORK: dict = {}
-CHUNKS_PER_WORKER = 8  # enough to even out documents of very different sizes
 BUILD_NAME = "build.json"  # the build fingerprint of the output
-
-
-@dataclass(frozen=True)
-class Document:
-    source: str
-    name: str
-    text: str
-    sha256: str
+SHARD_GROUPS_PER_WORKER = 4  # shard-writing tasks per worker: enough to even out the last ones
 
 
 @dataclass(frozen=True)
@@ -76,13 +77,6 @@ class DataResult:
     train_samples: int
     val_samples: int
     reused: bool  # the output was already up to date: nothing was rewritten
-
-
-@dataclass(frozen=True)
-class Packed:
-    samples: np.ndarray  # (n, seq_len + 1) token ids
-    starts: list[np.ndarray]  # per sample: offsets of the tokens that begin a document
-    tokens: int
 
 
 def build_dataset(cfg: Config, from_snapshot: bool = False) -> DataResult:
@@ -125,60 +119,57 @@ def record_data(cfg: Config, run: RunTracker, parent: RunTracker | None, result:
 
 
 def build_from_snapshot(cfg: Config) -> DataResult:
-    """The build step: the snapshot in data.raw_dir (each file checked against its sha256) to
+    """The build step: the snapshot in data.raw_dir (each member checked against its sha256) to
     the shards, tokenizer and manifest in data.out_dir, unless that output is up to date."""
     dcfg = cfg.data
     started = time.perf_counter()
     out_dir = Path(dcfg.out_dir)
     remove_stale_staging(out_dir)  # also when nothing is rebuilt
-    raw = load_snapshot(dcfg)
-    build_key = build_fingerprint(cfg, raw)
+    build_key = build_fingerprint(cfg, read_index(dcfg))
     if (manifest := up_to_date_manifest(out_dir, build_key)) is not None:
         log.info("data: %s is up to date (build %s); nothing rewritten", out_dir, build_key[:12])
         return data_result(out_dir, manifest, reused=True)
+    partitions = partition_members(snapshot_members(dcfg), dcfg.partition_mb)
     num_workers = dcfg.num_workers or len(os.sched_getaffinity(0))
-    stats = {source.label: source_entry(source) for source in dcfg.sources}
-    for doc in raw:
-        stats[doc.source]["input"]["documents"] += 1
-        stats[doc.source]["input"]["bytes"] += doc.size
-    documents = clean_corpus(raw, dcfg.cleaning, stats, num_workers)
-    del raw
-    log.info("data: %d documents read, cleaned and deduplicated at %.1f s", len(documents),
-             time.perf_counter() - started)
-    train_docs, val_docs = split_documents(documents, dcfg.val_fraction)
-    if not val_docs or not train_docs:
-        raise ValueError(
-            f"{len(documents)} documents split into {len(train_docs)} train / {len(val_docs)} "
-            "val; add documents or change data.val_fraction so both are non-empty"
-        )
-    train_docs = mix(train_docs, {source.label: source.weight for source in dcfg.sources})
-    source = tokenizer_source(cfg)
-    tokenizer, eos_id = build_tokenizer(dcfg, train_docs, source)
-    packed = {}
-    for split, docs in (("train", train_docs), ("val", val_docs)):
-        stream, lengths = tokenize_documents(tokenizer, [d.text for d in docs], eos_id, num_workers)
-        packed[split] = pack(stream, lengths, dcfg.seq_len, vocab_dtype(tokenizer))
-        if len(packed[split].samples) == 0:
-            raise ValueError(
-                f"the {split} split has {packed[split].tokens} tokens, fewer than one sample of "
-                f"data.seq_len + 1 = {dcfg.seq_len + 1}; lower data.seq_len or add text"
-            )
-        for doc, length in zip(docs, lengths, strict=True):
-            stats[doc.source][f"{split}_documents"] += 1
-            stats[doc.source][f"{split}_tokens"] += int(length) + 1  # + EOS
-        covered = source_sequences([d.source for d in docs], lengths, dcfg.seq_len,
-                                   len(packed[split].samples))
-        for label, count in covered.items():
-            stats[label][f"{split}_sequences"] = count
-    log.info("data: tokenizer ready, documents tokenized and packed at %.1f s", time.perf_counter() - started)
-    with staging_dir(out_dir) as tmp:
+    with staging_dir(out_dir) as tmp, executor_for(dcfg.executor, dcfg.dask_address, num_workers) as executor:
+        plan = w.Plan(work_dir=str(tmp / ".work"), raw_dir=dcfg.raw_dir, cleaning=dcfg.cleaning,
+                      labels=tuple(source.label for source in dcfg.sources),
+                      weights=tuple(source.weight for source in dcfg.sources), val_fraction=dcfg.val_fraction,
+                      buckets=len(partitions), partition_firsts=tuple(p[0].first for p in partitions))
+        Path(plan.work_dir, "tokens").mkdir(parents=True)
+        stats = {source.label: source_entry(source) for source in dcfg.sources}
+        work = [w.PartitionWork(n, tuple(members), plan) for n, members in enumerate(partitions)]
+        cleaned = executor.map("clean", w.clean_partition, work)
+        count_filters(plan, cleaned, stats)
+        removed = deduplicate(plan, executor, len(partitions))
+        documents = count_kept(plan, len(partitions), removed, stats)
+        log.info("data: %d documents read, cleaned and deduplicated at %.1f s", documents["all"],
+                 time.perf_counter() - started)
+        source = tokenizer_source(cfg)
+        tokenizer, eos_id = build_tokenizer(dcfg, source, training_texts(plan, len(partitions)))
         hf_tokenizer = save_tokenizer(tokenizer, dcfg.special_tokens, tmp / "tokenizer")
-        splits = {split: {"documents": len(docs), "tokens": packed[split].tokens,
-                          "samples": len(packed[split].samples),
-                          "shards": write_shards(packed[split], tmp, split, dcfg.samples_per_shard,
-                                                    num_workers)}
-                  for split, docs in (("train", train_docs), ("val", val_docs))}
-        write_jsonl(tmp / "val_docs.jsonl", val_docs)
+        tokenizer_json = str(Path(plan.work_dir) / "tokenizer.json")
+        tokenizer.save(tokenizer_json)
+        dtype = np.dtype(vocab_dtype(tokenizer)).str
+        splits = {}
+        for split in ("train", "val"):
+            pieces = [w.PieceWork(n, split, len(partitions), tokenizer_json, eos_id, dtype, plan)
+                      for n in range(len(partitions))]
+            counts = executor.map(f"tokenize-{split}", w.tokenize_piece, pieces)
+            tokens = count_tokens(plan, counts, split, stats)
+            samples = max(0, (tokens - 1) // dcfg.seq_len)
+            if samples == 0:
+                raise ValueError(f"the {split} split has {tokens} tokens, fewer than one sample of "
+                                 f"data.seq_len + 1 = {dcfg.seq_len + 1}; lower data.seq_len or add text")
+            shards = write_split(executor, split, tuple(str(piece.stem) for piece in pieces), samples, dcfg,
+                                 tmp, num_workers, plan, stats)
+            splits[split] = {"documents": documents[split], "tokens": tokens, "samples": samples,
+                             "shards": shards}
+        log.info("data: tokenizer ready, documents tokenized and packed at %.1f s",
+                 time.perf_counter() - started)
+        concatenate([Path(plan.work_dir, "tokens", f"val-{n:06d}.jsonl") for n in range(len(partitions))],
+                    tmp / "val_docs.jsonl")
+        shutil.rmtree(plan.work_dir)
         manifest = {
             "format": FORMAT_VERSION,
             "config_sha256": cfg.content_hash("data"),
@@ -189,7 +180,7 @@ def build_from_snapshot(cfg: Config) -> DataResult:
                           "sha256": sha256_file(tmp / "tokenizer" / "tokenizer.json"),
                           # what training from a base checks its tokenizer against
                           **({"source_sha256": sha256_file(source)} if source else {})},
-            "documents": len(documents),
+            "documents": documents["all"],
             "sources": stats,
             "splits": splits,
             "heldout_docs": "val_docs.jsonl",
@@ -200,9 +191,138 @@ def build_from_snapshot(cfg: Config) -> DataResult:
         (tmp / BUILD_NAME).write_text(json.dumps({"build_sha256": build_key, "files": file_digests(tmp)},
                                                  indent=2, sort_keys=True) + "\n")
         replace_dir(tmp, out_dir)
-    log.info("data: %d documents -> %d train / %d val samples in %s (%.1f s)", len(documents),
+    log.info("data: %d documents -> %d train / %d val samples in %s (%.1f s)", documents["all"],
              splits["train"]["samples"], splits["val"]["samples"], out_dir, time.perf_counter() - started)
     return data_result(out_dir, manifest, reused=False)
+
+
+def partition_members(members: list[Member], partition_mb: float) -> list[list[Member]]:
+    """Consecutive members of about `partition_mb` raw megabytes each."""
+    partitions, current, size = [], [], 0
+    for member in members:
+        current.append(member)
+        size += member.bytes
+        if size >= partition_mb * 2**20:
+            partitions.append(current)
+            current, size = [], 0
+    if current or not partitions:
+        partitions.append(current)
+    return partitions
+
+
+def count_filters(plan: w.Plan, cleaned: list[w.CleanSummary], stats: dict[str, dict]) -> None:
+    for summary in cleaned:
+        for source, count in summary.input_documents.items():
+            stats[plan.labels[source]]["input"]["documents"] += count
+            stats[plan.labels[source]]["input"]["bytes"] += summary.input_bytes[source]
+        for source, counts in summary.removed.items():
+            removed = stats[plan.labels[source]]["removed"]
+            for reason, count in counts.items():
+                removed[reason] = removed.get(reason, 0) + count
+
+
+def deduplicate(plan: w.Plan, executor: Executor, partitions: int) -> dict[str, np.ndarray]:
+    """The documents dedup removes, by reason: exact duplicates of an earlier document, then
+    near duplicates of an earlier kept one -- decided in document order, as one process offering
+    the documents in order would."""
+    buckets = [w.BucketWork(n, partitions, plan) for n in range(plan.buckets)]
+    exact = np.zeros(0, np.int64)
+    if plan.cleaning.exact_dedup:
+        exact = np.sort(np.concatenate(executor.map("exact-dedup", w.exact_duplicates, buckets)))
+    w.write_array(Path(plan.work_dir) / "exact-duplicates.npy", exact)
+    near = np.zeros(0, np.int64)
+    if plan.cleaning.near_dedup_threshold:
+        pairs = np.concatenate(executor.map("near-dedup", w.near_duplicate_pairs, buckets))
+        near = near_duplicates(pairs)
+    w.write_array(Path(plan.work_dir) / "removed.npy", np.union1d(exact, near))
+    return {"exact_duplicate": exact, "near_duplicate": near}
+
+
+def near_duplicates(pairs: np.ndarray) -> np.ndarray:
+    """The later document of each similar pair whose earlier one is kept, in document order:
+    an earlier document's fate is settled before any later one's."""
+    removed: set[int] = set()
+    pairs = np.unique(pairs, axis=0)  # sorted by the earlier document
+    for earlier, later in pairs[np.argsort(pairs[:, 1], kind="stable")]:
+        if later not in removed and earlier not in removed:
+            removed.add(int(later))
+    return np.array(sorted(removed), np.int64)
+
+
+def count_kept(plan: w.Plan, partitions: int, removed: dict[str, np.ndarray],
+               stats: dict[str, dict]) -> dict[str, int]:
+    """Per source what dedup removed and what the kept documents' cleaning did; the numbers of
+    documents kept, in all and per split (which must not be empty)."""
+    totals = {"all": 0, "train": 0, "val": 0}
+    for partition in range(partitions):
+        summary = np.load(plan.partition_dir(partition) / "summary.npy")
+        gone = np.zeros(len(summary), bool)
+        for reason, docs in removed.items():
+            mine = np.isin(summary["doc"], docs)
+            gone |= mine
+            for source in summary["source"][mine]:
+                entry = stats[plan.labels[source]]["removed"]
+                entry[reason] = entry.get(reason, 0) + 1
+        for row in summary[~gone]:
+            entry = stats[plan.labels[row["source"]]]
+            entry["kept"] += 1
+            entry["repaired_utf8"] += int(row["repaired"])
+            entry["boilerplate_lines"] += int(row["boilerplate_lines"])
+            entry["pii_replaced"] += int(row["pii_replaced"])
+        totals["all"] += int((~gone).sum())
+        totals["val"] += int((~gone & summary["val"]).sum())
+    totals["train"] = totals["all"] - totals["val"]
+    if not totals["all"]:
+        raise ValueError(f"no document of data.sources survived cleaning; removed: "
+                         f"{ {label: entry['removed'] for label, entry in stats.items()} }")
+    if not totals["val"] or not totals["train"]:
+        raise ValueError(
+            f"{totals['all']} documents split into {totals['train']} train / {totals['val']} "
+            "val; add documents or change data.val_fraction so both are non-empty"
+        )
+    return totals
+
+
+def training_texts(plan: w.Plan, partitions: int) -> Iterator[tuple[str, str]]:
+    """(sha256, text) of the training documents in training order, one key range at a time."""
+    for number in range(plan.buckets):
+        for record in w.training_range(plan, number, partitions):
+            yield record[3], record[4]
+
+
+def count_tokens(plan: w.Plan, counts: list[dict[int, list[int]]], split: str, stats: dict[str, dict]) -> int:
+    tokens = 0
+    for piece in counts:
+        for source, (documents, source_tokens) in piece.items():
+            stats[plan.labels[source]][f"{split}_documents"] += documents
+            stats[plan.labels[source]][f"{split}_tokens"] += source_tokens
+            tokens += source_tokens
+    return tokens
+
+
+def write_split(executor: Executor, split: str, pieces: tuple[str, ...], samples: int, dcfg: DataConfig,
+                directory: Path, num_workers: int, plan: w.Plan, stats: dict[str, dict]) -> list[dict]:
+    """Write the shards of a split, in groups on the workers; returns their manifest entries in
+    order and adds each source's sequences to `stats`."""
+    per_shard = dcfg.samples_per_shard
+    shards = [(number, start, min(start + per_shard, samples))
+              for number, start in enumerate(range(0, samples, per_shard))]
+    size = -(-len(shards) // (num_workers * SHARD_GROUPS_PER_WORKER))
+    groups = [w.ShardWork(n, split, tuple(shards[i:i + size]), pieces, dcfg.seq_len, str(directory),
+                          len(plan.labels)) for n, i in enumerate(range(0, len(shards), size))]
+    entries = []
+    for group_entries, sequences in executor.map(f"shards-{split}", w.write_shard_group, groups):
+        entries += group_entries
+        for source, count in sequences.items():
+            stats[plan.labels[source]][f"{split}_sequences"] += count
+    return entries
+
+
+def concatenate(parts: list[Path], path: Path) -> None:
+    with open(path, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, out)
 
 
 def preflight_tokenizer(cfg: Config) -> None:
@@ -229,16 +349,15 @@ def data_result(out_dir: Path, manifest: dict, reused: bool) -> DataResult:
                       reused=reused)
 
 
-def build_fingerprint(cfg: Config, raw: list[RawDocument]) -> str:
-    """sha256 of everything the output depends on: what the data config computes, every input
-    document and the stage's code (how the documents were read is in the documents)."""
+def build_fingerprint(cfg: Config, index: dict) -> str:
+    """sha256 of everything the output depends on: what the data config computes, the
+    snapshot's files (by their sha256, which every read checks) and the stage's code."""
     digest = hashlib.sha256(f"{FORMAT_VERSION}\n{cfg.content_hash('data')}\n".encode())
     digest.update(stage_named("data").code_hash().encode())
     if (source := tokenizer_source(cfg)) is not None:  # a loaded tokenizer counts by its content
         digest.update(f"tokenizer\0{sha256_file(source)}\0".encode())
-    for doc in raw:
-        digest.update(f"{doc.source}\0{doc.name}\0{doc.size}\0".encode())
-        digest.update(hashlib.sha256(doc.data or b"").digest())
+    for entry in index["sources"]:
+        digest.update(f"{entry['label']}\0{entry['sha256']}\0".encode())
     return digest.hexdigest()
 
 
@@ -271,94 +390,6 @@ def source_entry(source: SourceConfig) -> dict:
             "val_documents": 0, "val_tokens": 0, "val_sequences": 0}
 
 
-def clean_corpus(raw: list[RawDocument], cfg: CleaningConfig, stats: dict[str, dict],
-                 num_workers: int) -> list[Document]:
-    """Per-document filters in parallel, then dedup in document order; counts go to `stats`."""
-    with worker_pool(num_workers, raw=raw, cleaning=cfg) as pool:
-        cleaned = [c for part in pool.map(_clean_range, chunk_ranges([d.size for d in raw], num_workers))
-                   for c in part]
-    dedup = Deduplicator(cfg)
-    documents = []
-    for doc, result in zip(raw, cleaned, strict=True):
-        entry = stats[doc.source]
-        reason = result.removed_by or dedup.check(result)
-        if reason is not None:
-            entry["removed"][reason] = entry["removed"].get(reason, 0) + 1
-            continue
-        entry["kept"] += 1
-        entry["repaired_utf8"] += result.repaired
-        entry["boilerplate_lines"] += result.boilerplate_lines
-        entry["pii_replaced"] += result.pii_replaced
-        documents.append(Document(doc.source, doc.name, result.text, result.sha256))
-    if not documents:
-        raise ValueError(f"no document of data.sources survived cleaning; removed: "
-                         f"{ {label: entry['removed'] for label, entry in stats.items()} }")
-    return documents
-
-
-def _clean_range(bounds: tuple[int, int]) -> list[Cleaned]:
-    raw, cfg = _WORK["raw"], _WORK["cleaning"]
-    with_signature = bool(cfg.near_dedup_threshold)
-    return [clean_document(raw[i].data, cfg, with_signature) for i in range(*bounds)]
-
-
-@contextmanager
-def worker_pool(num_workers: int, **inputs: object) -> Iterator[Executor]:
-    """Forked worker processes that see `inputs` in _WORK. Fork, not spawn: a spawned worker
-    would re-import the entry point's modules (Prefect, MLflow: seconds each) and receive its
-    inputs pickled. Each worker tokenizes on one thread; parallelism comes from the processes."""
-    _WORK.update(inputs)
-    previous = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # inherited at fork; the parent restores its own
-    try:
-        with ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            yield pool
-    finally:
-        _WORK.clear()
-        if previous is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = previous
-
-
-def chunk_ranges(sizes: list[int], num_workers: int) -> list[tuple[int, int]]:
-    """Contiguous index ranges of roughly equal total size, CHUNKS_PER_WORKER per worker."""
-    target = max(1, sum(sizes) // (num_workers * CHUNKS_PER_WORKER))
-    ranges, start, acc = [], 0, 0
-    for index, size in enumerate(sizes):
-        acc += size
-        if acc >= target:
-            ranges.append((start, index + 1))
-            start, acc = index + 1, 0
-    if start < len(sizes):
-        ranges.append((start, len(sizes)))
-    return ranges
-
-
-def unit_hash(key: str) -> float:
-    """A uniform number in [0, 1) from a string: deterministic decisions per document."""
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
-
-
-def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
-    """Deterministic split by a hash of each document's text."""
-    train, val = [], []
-    for doc in docs:
-        (val if int(doc.sha256[:16], 16) / 2**64 < val_fraction else train).append(doc)
-    return train, val
-
-
-def mix(docs: list[Document], weights: dict[str, float]) -> list[Document]:
-    """Each document repeated per its source's weight (the fraction for a hash-chosen share),
-    in a hash order that interleaves the sources."""
-    copies = []
-    for doc in docs:
-        weight = weights[doc.source]
-        count = int(weight) + (unit_hash(f"mix:{doc.sha256}") < weight - int(weight))
-        copies += [(hashlib.sha256(f"{doc.sha256}:{copy}".encode()).digest(), doc) for copy in range(count)]
-    return [doc for _key, doc in sorted(copies, key=lambda pair: pair[0])]
-
-
 def tokenizer_file(path: str) -> Path:
     """`tokenizer.json` itself, or inside a Hugging Face tokenizer directory."""
     candidate = Path(path)
@@ -369,14 +400,14 @@ def tokenizer_file(path: str) -> Path:
     return file
 
 
-def build_tokenizer(dcfg: DataConfig, train_docs: list[Document],
-                    source: Path | None = None) -> tuple[Tokenizer, int]:
+def build_tokenizer(dcfg: DataConfig, source: Path | None,
+                    training: Iterator[tuple[str, str]]) -> tuple[Tokenizer, int]:
     """The tokenizer (loaded from `source`, or trained on the training documents) and its EOS id."""
     eos = dcfg.special_tokens[0]
     if source is not None:
         tokenizer = Tokenizer.from_file(str(source))
     else:
-        tokenizer = train_tokenizer(sample_texts(train_docs, dcfg.tokenizer_train_chars), dcfg.vocab_size,
+        tokenizer = train_tokenizer(sample_texts(training, dcfg.tokenizer_train_chars), dcfg.vocab_size,
                                     dcfg.special_tokens)
     eos_id = tokenizer.token_to_id(eos)
     if eos_id is None:
@@ -385,18 +416,20 @@ def build_tokenizer(dcfg: DataConfig, train_docs: list[Document],
     return tokenizer, eos_id
 
 
-def sample_texts(docs: list[Document], max_chars: int) -> list[str]:
-    """Distinct documents in hash order (so a sample mixes the sources) up to `max_chars`."""
-    texts, total = [], 0
-    for doc in sorted({d.sha256: d for d in docs}.values(), key=lambda d: d.sha256):
+def sample_texts(training: Iterator[tuple[str, str]], max_chars: int) -> Iterator[str]:
+    """Distinct training documents in training order (a hash order: a sample mixes the
+    sources) up to `max_chars`, streamed to the trainer."""
+    seen, total = set(), 0
+    for sha256, text in training:
         if total >= max_chars:
             break
-        texts.append(doc.text)
-        total += len(doc.text)
-    return texts
+        if sha256 not in seen:
+            seen.add(sha256)
+            total += len(text)
+            yield text
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, special_tokens: list[str]) -> Tokenizer:
+def train_tokenizer(texts: Iterator[str], vocab_size: int, special_tokens: list[str]) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -424,84 +457,3 @@ def vocab_dtype(tokenizer: Tokenizer) -> type[np.unsignedinteger]:
     return np.uint16 if tokenizer.get_vocab_size(with_added_tokens=True) <= 2**16 else np.uint32
 
 
-def tokenize_documents(tokenizer: Tokenizer, texts: list[str], eos_id: int,
-                       num_workers: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of all documents in order, each followed by EOS, tokenized by `num_workers`
-    processes; and each document's length (without its EOS)."""
-    with worker_pool(num_workers, texts=texts, tokenizer=tokenizer, eos_id=eos_id) as pool:
-        parts = list(pool.map(_tokenize_range, chunk_ranges([len(t) for t in texts], num_workers)))
-    stream = np.concatenate([ids for ids, _ in parts]) if parts else np.zeros(0, np.uint32)
-    lengths = np.concatenate([n for _, n in parts]) if parts else np.zeros(0, np.int64)
-    return stream, lengths
-
-
-def _tokenize_range(bounds: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    start, stop = bounds
-    # The _fast variant skips character offsets, which packing does not need.
-    encodings = _WORK["tokenizer"].encode_batch_fast(_WORK["texts"][start:stop], add_special_tokens=False)
-    lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
-    ids = np.full(int(lengths.sum()) + len(encodings), _WORK["eos_id"], dtype=np.uint32)
-    position = 0
-    for encoding, length in zip(encodings, lengths, strict=True):
-        ids[position:position + length] = encoding.ids
-        position += length + 1  # the EOS after it is already there
-    return ids, lengths
-
-
-def pack(stream: np.ndarray, lengths: np.ndarray, seq_len: int, dtype: type) -> Packed:
-    """Cut samples of seq_len + 1 tokens with stride seq_len from the token stream, so every
-    token but the first is a target exactly once; record where documents begin in each."""
-    n_samples = max(0, (len(stream) - 1) // seq_len)
-    index = np.arange(seq_len + 1)[None, :] + seq_len * np.arange(n_samples)[:, None]
-    doc_starts = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]]) if len(lengths) else np.zeros(0, np.int64)
-    lo = np.searchsorted(doc_starts, seq_len * np.arange(n_samples))
-    hi = np.searchsorted(doc_starts, seq_len * np.arange(n_samples) + seq_len + 1)
-    starts = [(doc_starts[a:b] - i * seq_len).astype(np.int32)
-              for i, (a, b) in enumerate(zip(lo, hi, strict=True))]
-    return Packed(stream[index].astype(dtype), starts, len(stream))
-
-
-def source_sequences(sources: list[str], lengths: np.ndarray, seq_len: int,
-                     num_samples: int) -> dict[str, int]:
-    """Per source, how many of the `num_samples` packed samples hold at least one of its tokens,
-    from the documents' sources and token counts in stream order. Document i (its tokens and
-    EOS) spans stream positions [b, e); sample j holds positions [j*seq_len, j*seq_len + seq_len],
-    so it overlaps the document for ceil(b/seq_len) - 1 <= j <= (e-1)//seq_len. Samples mix
-    sources: the counts of all sources add up to at least the number of samples."""
-    sizes = np.asarray(lengths, dtype=np.int64) + 1
-    ends = np.cumsum(sizes)
-    first = np.maximum(-(-(ends - sizes) // seq_len) - 1, 0)
-    last = np.minimum((ends - 1) // seq_len, num_samples - 1)  # < first: only in the dropped tail
-    labels = np.array(sources)
-    counts = {}
-    for label in dict.fromkeys(sources):
-        mine = (labels == label) & (first <= last)
-        coverage = np.zeros(num_samples + 1, np.int64)  # +1 where a document's samples begin, -1 after
-        np.add.at(coverage, first[mine], 1)
-        np.add.at(coverage, last[mine] + 1, -1)
-        counts[label] = int((np.cumsum(coverage[:-1]) > 0).sum())
-    return counts
-
-
-def write_shards(packed: Packed, directory: Path, split: str, per_shard: int, num_workers: int) -> list[dict]:
-    """Write the shards of a split, in parallel; returns their manifest entries in order."""
-    bounds = [(start, min(start + per_shard, len(packed.samples)))
-              for start in range(0, len(packed.samples), per_shard)]
-    ranges = chunk_ranges([1] * len(bounds), num_workers)
-    with worker_pool(num_workers, packed=packed, directory=directory, split=split, bounds=bounds) as pool:
-        return [entry for part in pool.map(_write_shard_range, ranges) for entry in part]
-
-
-def _write_shard_range(numbers: tuple[int, int]) -> list[dict]:
-    packed, entries = _WORK["packed"], []
-    for number in range(*numbers):
-        start, stop = _WORK["bounds"][number]
-        entries.append(write_shard(_WORK["directory"], _WORK["split"], number, packed.samples[start:stop],
-                                   packed.starts[start:stop], start))
-    return entries
-
-
-def write_jsonl(path: Path, docs: list[Document]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for doc in docs:
-            f.write(json.dumps({"source": doc.source, "name": doc.name, "text": doc.text}) + "\n")

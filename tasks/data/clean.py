@@ -1,10 +1,11 @@
-"""Document cleaning: per-document filters (run in worker processes) and deduplication across
-the corpus (run once, in document order, so the result does not depend on the workers).
+"""Document cleaning: per-document filters, the keys deduplication compares (work.py finds the
+duplicates across partitions).
 
 Per document, in order: binary check, UTF-8 validation (drop or repair), normalization,
 boilerplate lines removed, optional PII scrubbing, length bounds, a repetition filter; then the
 exact-dedup key and a MinHash signature. Across documents: exact dedup by the normalized text's
-hash, then near-dedup with datasketch's MinHash-LSH.
+hash, then near-dedup on the signatures' LSH bands, with the bands datasketch's MinHashLSH
+chooses.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
-from datasketch import LeanMinHash, MinHash, MinHashLSH
+from datasketch import MinHash, MinHashLSH
 
 from forgeline.configs.schema import CleaningConfig
 
@@ -107,29 +108,7 @@ def minhash_signature(words: list[str], cfg: CleaningConfig) -> np.ndarray:
     return minhash.hashvalues
 
 
-class Deduplicator:
-    """Exact and near duplicates of documents seen earlier, in the order they are offered."""
-
-    def __init__(self, cfg: CleaningConfig):
-        self.cfg = cfg
-        self.seen_keys: set[str] = set()
-        self.lsh = MinHashLSH(threshold=cfg.near_dedup_threshold, num_perm=cfg.minhash_perms) \
-            if cfg.near_dedup_threshold else None
-        self.kept: dict[int, LeanMinHash] = {}
-
-    def check(self, doc: Cleaned) -> str | None:
-        """The reason `doc` is a duplicate, or None (and it is remembered as kept)."""
-        if self.cfg.exact_dedup:
-            if doc.dedup_key in self.seen_keys:
-                return "exact_duplicate"
-            self.seen_keys.add(doc.dedup_key)
-        if self.lsh is not None:
-            minhash = LeanMinHash(seed=MINHASH_SEED, hashvalues=doc.signature, scheme=MINHASH_SCHEME)
-            # LSH returns candidates whose bands collide; confirm with the estimated Jaccard.
-            if any(self.kept[key].jaccard(minhash) >= self.cfg.near_dedup_threshold
-                   for key in self.lsh.query(minhash)):
-                return "near_duplicate"
-            key = len(self.kept)
-            self.lsh.insert(key, minhash)
-            self.kept[key] = minhash
-        return None
+def lsh_bands(cfg: CleaningConfig) -> list[tuple[int, int]]:
+    """The bands of a signature that near-dedup compares: datasketch's MinHashLSH choice of
+    bands and rows for the threshold (minimizing false positives and negatives)."""
+    return list(MinHashLSH(threshold=cfg.near_dedup_threshold, num_perm=cfg.minhash_perms).hashranges)

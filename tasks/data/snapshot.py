@@ -7,21 +7,26 @@ judge (`null` for a document too large to read, see `SourceConfig`) -- and `sour
 source its config, provenance (the version of the package a packaged corpus ships in, the
 Python version of the standard library, the dataset, the glob and the packages recorded in a
 `VERSIONS` file above it, as `make corpus` writes), licence, document count, the sha256 of its
-file and of the lines it holds uncompressed; and the hash of the config the snapshot was taken
-for: `data.sources` and `data.cleaning.max_chars` (which decides which documents are too large
-to read).
+file and of the lines it holds uncompressed, and where its gzip members lie; and the hash of the
+config the snapshot was taken for: `data.sources` and `data.cleaning.max_chars` (which decides
+which documents are too large to read).
+
+Each file is a series of gzip members of about MEMBER_BYTES of lines (one gzip stream to any
+reader), each with its offset, length, document count and sha256 in sources.json: the build reads
+member by member, in parallel and in bounded memory, and checks each against its sha256. The
+snapshot streams too: one member is in memory at a time.
 
 The lines depend on the documents alone (fixed order), and gzip is written without a timestamp.
 A source whose lines are those the snapshot already holds keeps its compressed file as it is --
 whichever zlib wrote it, so a machine with another zlib version sees an unchanged snapshot too,
 and the file is not compressed again -- and a snapshot identical to the one on disk is not
 rewritten, so DVC's hash of the directory, and its files' mtimes, stay put while the inputs do.
-The second step (`build.py`) builds from the snapshot after checking every file against its
-sha256.
+The second step (`build.py`) builds from the snapshot.
 """
 
 from __future__ import annotations
 
+import filecmp
 import glob
 import gzip
 import hashlib
@@ -29,18 +34,22 @@ import json
 import logging
 import platform
 import re
+import shutil
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import BinaryIO
 
 from forgeline.configs import Config
 from forgeline.configs.schema import DataConfig, SourceConfig
+from forgeline.model.fileio import sha256_file
 from forgeline.tasks.atomic import remove_stale_staging, replace_dir, staging_dir
 from forgeline.tasks.data.sources import RawDocument, read_source
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_FORMAT = "forgeline-raw/1"
+SNAPSHOT_FORMAT = "forgeline-raw/2"
+MEMBER_BYTES = 1 << 20  # uncompressed lines per gzip member: the build reads and partitions by member
 SOURCES_NAME = "sources.json"
 VERSIONS_NAME = "VERSIONS"  # `name=version` lines of the packages a directory was unpacked from
 GZIP_LEVEL = 6
@@ -77,38 +86,76 @@ def source_file(label: str) -> str:
 
 def take_snapshot(cfg: Config) -> Snapshot:
     """Read every source of `cfg.data` (after `preflight_sources`) and write `data.raw_dir`
-    unless it already holds exactly these bytes. Nothing is written if a source fails to read."""
+    unless it already holds exactly these bytes. Nothing is written if a source fails to read.
+    The documents stream: what is held in memory is one member at a time."""
     dcfg = cfg.data
     raw_dir = Path(dcfg.raw_dir)
-    held = held_lines(raw_dir)
-    files, entries, documents = {}, [], 0
-    for source in dcfg.sources:
-        docs = list(read_source(source, dcfg.cleaning.max_chars))
-        name = source_file(source.label)
-        lines = b"".join(document_line(doc) for doc in docs)
-        lines_sha256 = hashlib.sha256(lines).hexdigest()
-        files[name] = held.get((name, lines_sha256)) or gzip.compress(lines, GZIP_LEVEL, mtime=0)
-        entries.append({"label": source.label, "file": name,
-                        "sha256": hashlib.sha256(files[name]).hexdigest(), "lines_sha256": lines_sha256,
-                        "documents": len(docs),
-                        "bytes": sum(doc.size for doc in docs),
-                        "unread": sum(doc.data is None for doc in docs),
-                        "license": source.provenance or "unspecified", "provenance": provenance(source),
-                        "config": source.model_dump(mode="json")})
-        documents += len(docs)
-    index = {"format": SNAPSHOT_FORMAT, "config_sha256": snapshot_config_hash(dcfg),
-             "max_chars": dcfg.cleaning.max_chars, "sources": entries}
-    files[SOURCES_NAME] = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
     remove_stale_staging(raw_dir)
-    written = not holds_exactly(raw_dir, files)
-    if written:
-        with staging_dir(raw_dir) as tmp:
-            for name, data in files.items():
-                (tmp / name).write_bytes(data)
+    held = held_entries(raw_dir)
+    with staging_dir(raw_dir) as tmp:
+        entries = [write_source(source, dcfg.cleaning.max_chars, tmp, held) for source in dcfg.sources]
+        index = {"format": SNAPSHOT_FORMAT, "config_sha256": snapshot_config_hash(dcfg),
+                 "max_chars": dcfg.cleaning.max_chars, "sources": entries}
+        (tmp / SOURCES_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        written = not same_files(tmp, raw_dir)
+        if written:
             replace_dir(tmp, raw_dir)
+    documents = sum(entry["documents"] for entry in entries)
     log.info("sources: %d documents of %d sources -> %s (%s)", documents, len(entries), raw_dir,
              "written" if written else "unchanged, not rewritten")
     return Snapshot(str(raw_dir), len(entries), documents, written)
+
+
+def write_source(source: SourceConfig, max_chars: int, directory: Path,
+                 held: dict[tuple[str, str], tuple[Path, dict]]) -> dict:
+    """Write one source's documents to `directory` as gzip members of about MEMBER_BYTES of lines
+    each; a held file with the same lines is taken instead. Returns its sources.json entry."""
+    name = source_file(source.label)
+    lines_digest = hashlib.sha256()
+    documents = size = unread = 0
+    with open(directory / name, "wb") as out:
+        writer = MemberWriter(out)
+        for doc in read_source(source, max_chars):
+            line = document_line(doc)
+            lines_digest.update(line)
+            writer.add(line)
+            documents, size, unread = documents + 1, size + doc.size, unread + (doc.data is None)
+        writer.flush()
+    members, lines_sha256 = writer.members, lines_digest.hexdigest()
+    if (held_file := held.get((name, lines_sha256))) is not None:
+        path, entry = held_file
+        shutil.copyfile(path, directory / name)
+        file_sha256, members = entry["sha256"], entry["members"]
+    else:
+        file_sha256 = sha256_file(directory / name)
+    return {"label": source.label, "file": name, "sha256": file_sha256, "lines_sha256": lines_sha256,
+            "members": members, "documents": documents, "bytes": size, "unread": unread,
+            "license": source.provenance or "unspecified", "provenance": provenance(source),
+            "config": source.model_dump(mode="json")}
+
+
+class MemberWriter:
+    """Document lines to a file as gzip members of about MEMBER_BYTES each (a gzip file of
+    several members is still one gzip stream to any reader); records where each member lies."""
+
+    def __init__(self, out: BinaryIO):
+        self.out, self.pending, self.pending_bytes = out, [], 0
+        self.members: list[dict] = []
+
+    def add(self, line: bytes) -> None:
+        self.pending.append(line)
+        self.pending_bytes += len(line)
+        if self.pending_bytes >= MEMBER_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        data = gzip.compress(b"".join(self.pending), GZIP_LEVEL, mtime=0)
+        self.members.append({"offset": self.out.tell(), "length": len(data), "documents": len(self.pending),
+                             "bytes": self.pending_bytes, "sha256": hashlib.sha256(data).hexdigest()})
+        self.out.write(data)
+        self.pending, self.pending_bytes = [], 0
 
 
 def document_line(doc: RawDocument) -> bytes:
@@ -117,27 +164,25 @@ def document_line(doc: RawDocument) -> bytes:
     return (json.dumps({"name": doc.name, "size": doc.size, "data": text}) + "\n").encode()
 
 
-def held_lines(raw_dir: Path) -> dict[tuple[str, str], bytes]:
-    """The compressed files of the snapshot in `raw_dir` that still match their recorded sha256,
-    keyed by file name and the sha256 of their lines; none without a readable sources.json."""
+def held_entries(raw_dir: Path) -> dict[tuple[str, str], tuple[Path, dict]]:
+    """The files of the snapshot in `raw_dir` that still match their recorded sha256, with their
+    sources.json entries, keyed by file name and the sha256 of their lines; none without a
+    readable sources.json of this format."""
     try:
-        entries = json.loads((raw_dir / SOURCES_NAME).read_text())["sources"]
-        recorded = [(entry["file"], entry["lines_sha256"], entry["sha256"]) for entry in entries]
+        index = json.loads((raw_dir / SOURCES_NAME).read_text())
+        entries = [entry for entry in index["sources"] if index["format"] == SNAPSHOT_FORMAT]
+        recorded = [(Path(str(entry["file"])).name, entry["lines_sha256"], entry["sha256"], entry)
+                    for entry in entries]
     except (OSError, ValueError, KeyError, TypeError):
         return {}
-    held = {}
-    for name, lines_sha256, sha256 in recorded:
-        path = raw_dir / Path(str(name)).name
-        data = path.read_bytes() if path.is_file() else b""
-        if hashlib.sha256(data).hexdigest() == sha256:
-            held[name, lines_sha256] = data
-    return held
+    return {(name, lines_sha256): (raw_dir / name, entry) for name, lines_sha256, sha256, entry in recorded
+            if (raw_dir / name).is_file() and sha256_file(raw_dir / name) == sha256}
 
 
-def holds_exactly(directory: Path, files: dict[str, bytes]) -> bool:
-    if not directory.is_dir() or {p.name for p in directory.iterdir()} != set(files):
+def same_files(new: Path, old: Path) -> bool:
+    if not old.is_dir() or {p.name for p in old.iterdir()} != {p.name for p in new.iterdir()}:
         return False
-    return all((directory / name).read_bytes() == data for name, data in files.items())
+    return all(filecmp.cmp(path, old / path.name, shallow=False) for path in new.iterdir())
 
 
 def provenance(source: SourceConfig) -> dict:
@@ -186,30 +231,65 @@ def read_index(dcfg: DataConfig) -> dict:
     return index
 
 
-def verified_bytes(raw_dir: Path, entry: dict) -> bytes:
-    path = raw_dir / entry["file"]
-    data = path.read_bytes() if path.is_file() else None
-    if data is None or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        state = "is missing" if data is None else "is damaged: its sha256 differs from the one"
-        raise SnapshotError(f"{path} {state} ({raw_dir / SOURCES_NAME} records sha256 "
-                            f"{entry['sha256']}); {RETAKE}")
-    return data
-
-
 def check_snapshot(cfg: Config) -> None:
     """Fail, saying how to fix it, unless `data.raw_dir` holds an intact snapshot for `cfg.data`."""
+    raw_dir = Path(cfg.data.raw_dir)
     for entry in read_index(cfg.data)["sources"]:
-        verified_bytes(Path(cfg.data.raw_dir), entry)
+        path = raw_dir / entry["file"]
+        if not path.is_file() or sha256_file(path) != entry["sha256"]:
+            state = "is missing" if not path.is_file() else "is damaged: its sha256 differs from the one"
+            raise SnapshotError(f"{path} {state} ({raw_dir / SOURCES_NAME} records sha256 "
+                                f"{entry['sha256']}); {RETAKE}")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One gzip member of a source's snapshot file: the unit the build reads by."""
+
+    label: str
+    file: str
+    offset: int
+    length: int
+    documents: int
+    bytes: int
+    sha256: str
+    first: int  # index of its first document in the snapshot's reading order
+
+
+def snapshot_members(dcfg: DataConfig) -> list[Member]:
+    """Every member of the snapshot in `dcfg.raw_dir`, in reading order."""
+    members, first = [], 0
+    for entry in read_index(dcfg)["sources"]:
+        for member in entry["members"]:
+            members.append(Member(entry["label"], entry["file"], first=first, **member))
+            first += member["documents"]
+    return members
+
+
+def read_member(raw_dir: Path, member: Member) -> list[RawDocument]:
+    """The documents of one member, checked against its sha256."""
+    path = raw_dir / member.file
+    try:
+        with open(path, "rb") as f:
+            f.seek(member.offset)
+            data = f.read(member.length)
+    except OSError:
+        data = b""
+    if hashlib.sha256(data).hexdigest() != member.sha256:
+        raise SnapshotError(f"{path} is missing or damaged: its bytes {member.offset}..."
+                            f"{member.offset + member.length} differ from those {raw_dir / SOURCES_NAME} "
+                            f"records; {RETAKE}")
+    docs = []
+    for line in gzip.decompress(data).decode().split("\n")[:-1]:
+        record = json.loads(line)
+        text = record["data"]
+        raw = None if text is None else text.encode("utf-8", errors="surrogateescape")
+        docs.append(RawDocument(member.label, record["name"], raw, record["size"]))
+    return docs
 
 
 def load_snapshot(dcfg: DataConfig) -> list[RawDocument]:
-    """The documents of the snapshot in `dcfg.raw_dir`, in the order they were read."""
+    """The documents of the snapshot in `dcfg.raw_dir`, in the order they were read (all in
+    memory: for tests and small corpora; the build reads by member)."""
     raw_dir = Path(dcfg.raw_dir)
-    docs = []
-    for entry in read_index(dcfg)["sources"]:
-        for line in gzip.decompress(verified_bytes(raw_dir, entry)).decode().split("\n")[:-1]:
-            record = json.loads(line)
-            text = record["data"]
-            data = None if text is None else text.encode("utf-8", errors="surrogateescape")
-            docs.append(RawDocument(entry["label"], record["name"], data, record["size"]))
-    return docs
+    return [doc for member in snapshot_members(dcfg) for doc in read_member(raw_dir, member)]

@@ -13,8 +13,9 @@ from transformers import PreTrainedTokenizerFast
 
 from forgeline.model.fileio import sha256_file
 from forgeline.model.training.shards import MANIFEST_NAME, read_manifest, read_shard, split_shards
-from forgeline.tasks.data.build import build_dataset, source_sequences
+from forgeline.tasks.data.build import build_dataset
 from forgeline.tasks.data.sources import read_shakespeare
+from forgeline.tasks.data.work import sequences_per_source
 from tests.conftest import REPO_ROOT, debug_config
 
 
@@ -59,13 +60,22 @@ def test_manifest_describes_verified_shards(data_root: Path) -> None:
         manifest["splits"]["train"]["documents"] + manifest["splits"]["val"]["documents"])
 
 
+def source_sequences(sources: list[str], lengths: np.ndarray, seq_len: int, first: int, end: int) -> dict:
+    """sequences_per_source of documents given in stream order by source and token count."""
+    ends = np.cumsum(np.asarray(lengths) + 1)
+    labels = sorted(set(sources))
+    codes = np.array([labels.index(s) for s in sources])
+    counts = sequences_per_source(ends - np.asarray(lengths) - 1, ends, codes, seq_len, first, end)
+    return {label: counts.get(code, 0) for code, label in enumerate(labels)}
+
+
 def test_sequences_per_source_count_the_samples_holding_its_tokens() -> None:
     # seq_len 4; documents a (3 tokens), b (0), a (5), c (0), each followed by EOS: stream
     # positions a 0-3, b 4, a 5-10, c 11. Samples of 5 tokens with stride 4: positions 0-4 and
     # 4-8 (b's EOS is in both); 9-11 make no full sample.
-    counts = source_sequences(["a", "b", "a", "c"], np.array([3, 0, 5, 0]), seq_len=4, num_samples=2)
+    counts = source_sequences(["a", "b", "a", "c"], np.array([3, 0, 5, 0]), seq_len=4, first=0, end=2)
     assert counts == {"a": 2, "b": 2, "c": 0}
-    # Against counting the samples directly, on random documents.
+    # Against counting the samples directly, on random documents, whole and as shards add up.
     rng = np.random.default_rng(0)
     lengths = rng.integers(0, 40, 300)
     sources = [f"s{i}" for i in rng.integers(0, 4, 300)]
@@ -73,8 +83,11 @@ def test_sequences_per_source_count_the_samples_holding_its_tokens() -> None:
     seq_len = 16
     num_samples = (len(owner) - 1) // seq_len
     direct = {label: sum(label in owner[j * seq_len: j * seq_len + seq_len + 1] for j in range(num_samples))
-              for label in dict.fromkeys(sources)}
-    assert source_sequences(sources, lengths, seq_len, num_samples) == direct
+              for label in sorted(set(sources))}
+    assert source_sequences(sources, lengths, seq_len, 0, num_samples) == direct
+    cuts = [0, 7, 8, 50, num_samples]
+    shards = [source_sequences(sources, lengths, seq_len, a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    assert {label: sum(shard[label] for shard in shards) for label in direct} == direct
 
 
 def test_manifest_counts_the_sequences_of_each_source(data_root: Path) -> None:

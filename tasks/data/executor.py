@@ -1,0 +1,164 @@
+"""What runs the data build's partition work: Prefect tasks on a Dask cluster, or a pool of
+forked processes on this machine.
+
+Both take the same plain functions (build.py) and work items -- small, picklable descriptions
+of a partition's work whose data lie in files all workers see -- and return the results in the
+items' order, so the output cannot depend on which worker ran what, or how many there were.
+
+`DaskExecutor` submits each item as a Prefect task run to a `DaskTaskRunner` (prefect-dask):
+the runs show in Prefect's UI under the stage's flow run, with their logs (called without Prefect,
+it submits the same functions with a plain Dask client). Without an address it
+runs on a local cluster of processes, started on first use and kept for the life of the process
+(a second build in the same process, as in a served deployment or the tests, does not wait for
+workers to start again). A worker that dies mid-task (killed, out of memory) has its task
+recomputed by Dask on another; a task that fails for good raises `PartitionFailed`, naming the
+partition and its sources.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import Protocol, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+# Worker processes run one task at a time on one core: the parallelism is the processes'.
+WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+_LOCAL_CLUSTERS: dict[int, object] = {}
+
+
+class PartitionFailed(RuntimeError):
+    """A piece of the build failed on its worker; the message names the partition and sources."""
+
+
+class Work(Protocol):
+    number: int
+
+    def describe(self) -> str:
+        """The partition and its sources, for an error message."""
+        ...
+
+
+class Executor(Protocol):
+    def map(self, name: str, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """`fn` over `items`, in parallel; the results in the items' order."""
+        ...
+
+
+def failure(name: str, item: Work, err: BaseException) -> PartitionFailed:
+    died = type(err).__name__ in {"KilledWorker", "BrokenProcessPool"}
+    why = ("its worker died repeatedly -- most often out of memory: lower data.partition_mb or give "
+           "the workers more memory" if died else f"{type(err).__name__}: {err}")
+    return PartitionFailed(f"data build: {name} of {item.describe()} failed: {why}")
+
+
+class PoolExecutor:
+    """Forked processes of this machine. Fork, not spawn: a spawned worker would re-import the
+    entry point's modules (Prefect, MLflow: seconds each)."""
+
+    def __init__(self, num_workers: int):
+        self.num_workers = num_workers
+
+    def __enter__(self) -> PoolExecutor:
+        saved = {key: os.environ.get(key) for key in WORKER_ENV}
+        os.environ.update(WORKER_ENV)  # inherited at fork; the parent restores its own below
+        try:
+            self.pool = ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("fork"))
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+    def map(self, name: str, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        futures = [self.pool.submit(fn, item) for item in items]
+        results = []
+        for item, future in zip(items, futures, strict=True):
+            try:
+                results.append(future.result())
+            except Exception as err:
+                raise failure(name, item, err) from err
+        return results
+
+
+class DaskExecutor:
+    """The cluster at `address`, else this process's local cluster of `num_workers` processes.
+    Inside a Prefect run (the stage's flow) each item is a Prefect task run on a
+    `DaskTaskRunner`; a plain call (no Prefect run, so no API to report to) submits the plain
+    functions to the same cluster with a Dask client."""
+
+    def __init__(self, address: str | None, num_workers: int):
+        self.address, self.num_workers = address, num_workers
+
+    def __enter__(self) -> DaskExecutor:
+        from prefect.context import FlowRunContext, TaskRunContext
+
+        address = self.address or local_cluster(self.num_workers).scheduler_address
+        if FlowRunContext.get() or TaskRunContext.get():
+            from prefect_dask import DaskTaskRunner
+
+            self.runner, self.client = DaskTaskRunner(address=address), None
+            self.runner.__enter__()
+        else:
+            from distributed import Client
+
+            self.runner, self.client = None, Client(address, set_as_default=False)
+        log.info("data: partition work on the Dask cluster at %s%s", address,
+                 " as Prefect tasks" if self.runner else "")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.runner:
+            self.runner.__exit__(*exc)
+        else:
+            self.client.close()
+
+    def map(self, name: str, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        if self.runner:
+            from prefect import task
+            from prefect.cache_policies import NO_CACHE
+
+            # Inputs are paths and counts; nothing to cache or persist: the files are the results.
+            prefect_task = task(fn, name=f"data-{name}", cache_policy=NO_CACHE, persist_result=False,
+                                task_run_name=f"data-{name}-{{work.number}}")
+            futures = [self.runner.submit(prefect_task, parameters={"work": item}) for item in items]
+        else:
+            # pure=False: the key must not be a hash of the item, whose plan differs per build
+            futures = [self.client.submit(fn, item, pure=False) for item in items]
+        results = []
+        for item, future in zip(items, futures, strict=True):
+            try:
+                results.append(future.result())
+            except Exception as err:
+                raise failure(name, item, err) from err
+        return results
+
+
+def local_cluster(num_workers: int) -> object:
+    """This process's local Dask cluster of `num_workers` single-threaded processes."""
+    if num_workers not in _LOCAL_CLUSTERS:
+        from distributed import LocalCluster
+
+        logging.getLogger("distributed").setLevel(logging.WARNING)  # a line per worker event otherwise
+
+        cluster = LocalCluster(n_workers=num_workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                               dashboard_address=None, silence_logs=logging.WARNING, env=WORKER_ENV)
+        atexit.register(cluster.close)
+        _LOCAL_CLUSTERS[num_workers] = cluster
+    return _LOCAL_CLUSTERS[num_workers]
+
+
+def executor_for(executor: str, address: str | None, num_workers: int) -> PoolExecutor | DaskExecutor:
+    return DaskExecutor(address, num_workers) if executor == "dask" else PoolExecutor(num_workers)

@@ -1,0 +1,444 @@
+"""The data build's parallel work, one partition or bucket at a time, in bounded memory.
+
+Each function takes a small picklable work item and reads and writes files under the build's
+work directory (inside the output's staging directory, so on the filesystem the output lands
+on, which every worker sees). The executor (executor.py) runs them on Dask or a local pool. A
+function reruns from scratch and writes the same bytes, so Dask recomputing the task of a lost
+worker changes nothing. The phases, in build.py's order:
+
+1. `clean_partition`: read a partition of the raw snapshot (a run of its gzip members), filter
+   and clean each document, and write what the later phases need: the documents' dedup records
+   hashed into buckets (exact key; one LSH band key per band of the MinHash signature), the
+   signatures, a per-document summary, the validation documents in order, and each training
+   document's copies (per its source's weight) under their mixing key, grouped into ranges of
+   that key.
+2. `exact_duplicates` / `near_duplicate_pairs`, per bucket across all partitions -- the shuffle:
+   documents whose normalized text has the same key (all but the first in document order are
+   exact duplicates); pairs sharing an LSH band, confirmed on the estimated Jaccard. Which
+   near-duplicate pairs remove a document (the later one, if the earlier is kept) is decided
+   in document order by build.py, exactly as one process offering the documents in order would.
+3. `tokenize_piece`: a range of mixing keys (sorted: the training order) or a partition's
+   validation documents, tokenized, each document followed by EOS.
+4. `write_shard_group`: shards cut from the split's token stream -- the pieces in order -- with
+   the sequences each source contributes to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from forgeline.configs.schema import CleaningConfig
+from forgeline.model.training.shards import write_shard
+from forgeline.tasks.data.clean import Cleaned, clean_document, lsh_bands
+from forgeline.tasks.data.snapshot import Member, read_member
+
+# Records of the shuffle: the bucket (which reducer), the key, the document.
+KEYED = np.dtype([("bucket", "<u4"), ("key", "V32"), ("doc", "<i8")])
+# Per document that passed the filters: what the manifest's counts need once dedup has decided.
+SUMMARY = np.dtype([("doc", "<i8"), ("source", "<i2"), ("val", "?"), ("repaired", "?"),
+                    ("boilerplate_lines", "<i8"), ("pii_replaced", "<i8")])
+PIECE_DOCS = np.dtype([("length", "<i8"), ("source", "<i2")])  # per tokenized document
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every piece of work needs to know about the build."""
+
+    work_dir: str
+    raw_dir: str
+    cleaning: CleaningConfig
+    labels: tuple[str, ...]  # the sources, in order: documents carry their index
+    weights: tuple[float, ...]
+    val_fraction: float
+    buckets: int  # reducers of the shuffle and ranges of the mixing key
+    partition_firsts: tuple[int, ...]  # the first document of each partition
+
+    def partition_dir(self, number: int) -> Path:
+        return Path(self.work_dir) / f"partition-{number:06d}"
+
+    def partition_of(self, docs: np.ndarray) -> np.ndarray:
+        return np.searchsorted(np.asarray(self.partition_firsts), docs, side="right") - 1
+
+
+@dataclass(frozen=True)
+class PartitionWork:
+    number: int
+    members: tuple[Member, ...]
+    plan: Plan
+
+    def describe(self) -> str:
+        first, last = self.members[0].first, self.members[-1].first + self.members[-1].documents - 1
+        labels = sorted({member.label for member in self.members})
+        return f"partition {self.number} (documents {first}..{last} of source(s) {', '.join(labels)})"
+
+
+@dataclass(frozen=True)
+class BucketWork:
+    number: int
+    partitions: int
+    plan: Plan
+
+    def describe(self) -> str:
+        return f"dedup bucket {self.number} (over all {self.partitions} partitions)"
+
+
+@dataclass(frozen=True)
+class PieceWork:
+    number: int
+    split: str  # train: a range of mixing keys over all partitions; val: one partition's documents
+    partitions: int
+    tokenizer: str
+    eos_id: int
+    dtype: str
+    plan: Plan
+
+    def describe(self) -> str:
+        what = f"mixing-key range {self.number}" if self.split == "train" else f"partition {self.number}"
+        return f"{self.split} piece {self.number} ({what})"
+
+    @property
+    def stem(self) -> Path:
+        return Path(self.plan.work_dir) / "tokens" / f"{self.split}-{self.number:06d}"
+
+
+@dataclass(frozen=True)
+class ShardWork:
+    number: int
+    split: str
+    shards: tuple[tuple[int, int, int], ...]  # (shard number, first sample, end sample)
+    pieces: tuple[str, ...]  # the token pieces of the split, in stream order
+    seq_len: int
+    out_dir: str
+    num_sources: int
+
+    def describe(self) -> str:
+        return f"{self.split} shards {self.shards[0][0]}..{self.shards[-1][0]}"
+
+
+@dataclass(frozen=True)
+class CleanSummary:
+    """Counts a partition's filters produced, per source index."""
+
+    input_documents: dict[int, int]
+    input_bytes: dict[int, int]
+    removed: dict[int, dict[str, int]]
+
+
+# -- 1. cleaning ---------------------------------------------------------------------------------
+
+
+def clean_partition(work: PartitionWork) -> CleanSummary:
+    plan, cfg = work.plan, work.plan.cleaning
+    out = plan.partition_dir(work.number)
+    out.mkdir(parents=True, exist_ok=True)
+    code = {label: index for index, label in enumerate(plan.labels)}
+    summary = CleanSummary({}, {}, {})
+    kept: list[tuple[int, int, Cleaned, str]] = []
+    for member in work.members:
+        for offset, raw in enumerate(read_member(Path(plan.raw_dir), member)):
+            source = code[raw.source]
+            summary.input_documents[source] = summary.input_documents.get(source, 0) + 1
+            summary.input_bytes[source] = summary.input_bytes.get(source, 0) + raw.size
+            cleaned = clean_document(raw.data, cfg, with_signature=bool(cfg.near_dedup_threshold))
+            if cleaned.removed_by is not None:
+                counts = summary.removed.setdefault(source, {})
+                counts[cleaned.removed_by] = counts.get(cleaned.removed_by, 0) + 1
+                continue
+            kept.append((member.first + offset, source, cleaned, raw.name))
+    write_array(out / "summary.npy", np.array(
+        [(doc, source, is_val(c.sha256, plan.val_fraction), c.repaired, c.boilerplate_lines, c.pii_replaced)
+         for doc, source, c, _ in kept], dtype=SUMMARY))
+    write_array(out / "exact.npy", keyed([(bytes.fromhex(c.dedup_key), doc) for doc, _, c, _ in kept],
+                                         plan.buckets))
+    if cfg.near_dedup_threshold:
+        bands = lsh_bands(cfg)
+        band_records = [(band_key(c.signature, band, span), doc) for doc, _, c, _ in kept
+                        for band, span in enumerate(bands)]
+        write_array(out / "bands.npy", keyed(band_records, plan.buckets))
+        write_array(out / "signatures.npy", np.array([c.signature for _, _, c, _ in kept], dtype=np.uint64)
+                    .reshape(len(kept), cfg.minhash_perms))
+    write_pickle(out / "val.pkl", [(doc, source, name, c.text) for doc, source, c, name in kept
+                                   if is_val(c.sha256, plan.val_fraction)])
+    copies = sorted((mixing_key(c.sha256, copy), doc, source, c.sha256, c.text)
+                    for doc, source, c, _ in kept if not is_val(c.sha256, plan.val_fraction)
+                    for copy in range(copies_of(c.sha256, plan.weights[source])))
+    write_ranges(out / "train", copies, plan.buckets)
+    return summary
+
+
+def is_val(sha256: str, val_fraction: float) -> bool:
+    """The split of a document, by a hash of its text."""
+    return int(sha256[:16], 16) / 2**64 < val_fraction
+
+
+def unit_hash(key: str) -> float:
+    """A uniform number in [0, 1) from a string: deterministic decisions per document."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
+
+
+def copies_of(sha256: str, weight: float) -> int:
+    """How often a training document appears: its source's weight, the fraction for a hash-chosen
+    share of its documents."""
+    return int(weight) + (unit_hash(f"mix:{sha256}") < weight - int(weight))
+
+
+def mixing_key(sha256: str, copy: int) -> bytes:
+    """The training order: copies sorted by this hash, which interleaves the sources."""
+    return hashlib.sha256(f"{sha256}:{copy}".encode()).digest()
+
+
+def key_range(key: bytes, ranges: int) -> int:
+    """The range of a uniformly distributed key: ranges in key order partition the sorted keys."""
+    return int.from_bytes(key[:8], "big") * ranges >> 64
+
+
+def band_key(signature: np.ndarray, band: int, span: tuple[int, int]) -> bytes:
+    """A band of a MinHash signature (its index and values), hashed: equal keys, equal bands."""
+    return hashlib.blake2b(band.to_bytes(4, "little") + signature[span[0]:span[1]].tobytes(),
+                           digest_size=32).digest()
+
+
+def keyed(records: list[tuple[bytes, int]], buckets: int) -> np.ndarray:
+    """Shuffle records, sorted by bucket (a bucket's records are one slice)."""
+    array = np.array([(int.from_bytes(key[8:16], "little") % buckets, key, doc) for key, doc in records],
+                     dtype=KEYED)
+    return array[np.argsort(array["bucket"], kind="stable")]
+
+
+def bucket_slice(path: Path, bucket: int) -> np.ndarray:
+    array = np.load(path, mmap_mode="r")
+    lo, hi = np.searchsorted(array["bucket"], [bucket, bucket + 1])
+    return np.array(array[lo:hi])
+
+
+def write_ranges(stem: Path, records: list[tuple], ranges: int) -> None:
+    """Records sorted by key, as one pickle per key range in one file, with their offsets."""
+    starts = np.searchsorted([key_range(record[0], ranges) for record in records], np.arange(ranges + 1))
+    chunks = [pickle.dumps(records[a:b], protocol=pickle.HIGHEST_PROTOCOL)
+              for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    write_bytes(stem.with_suffix(".bin"), b"".join(chunks))
+    write_array(stem.with_suffix(".offsets.npy"), np.concatenate([[0], np.cumsum([len(c) for c in chunks])]))
+
+
+def read_range(stem: Path, number: int) -> list[tuple]:
+    offsets = np.load(stem.with_suffix(".offsets.npy"))
+    with open(stem.with_suffix(".bin"), "rb") as f:
+        f.seek(int(offsets[number]))
+        return pickle.loads(f.read(int(offsets[number + 1] - offsets[number])))
+
+
+# -- 2. dedup across partitions ------------------------------------------------------------------
+
+
+def exact_duplicates(work: BucketWork) -> np.ndarray:
+    """The documents of this bucket whose key an earlier document has."""
+    records = np.concatenate([bucket_slice(work.plan.partition_dir(p) / "exact.npy", work.number)
+                              for p in range(work.partitions)])
+    records = records[np.lexsort((records["doc"], records["key"]))]
+    repeat = np.zeros(len(records), bool)
+    repeat[1:] = records["key"][1:] == records["key"][:-1]
+    return np.sort(records["doc"][repeat])
+
+
+def near_duplicate_pairs(work: BucketWork) -> np.ndarray:
+    """Pairs (earlier, later) of documents that share a band in this bucket and whose estimated
+    Jaccard similarity reaches the threshold; exact duplicates take no part."""
+    plan = work.plan
+    exact = np.load(Path(plan.work_dir) / "exact-duplicates.npy")
+    records = np.concatenate([bucket_slice(plan.partition_dir(p) / "bands.npy", work.number)
+                              for p in range(work.partitions)])
+    records = records[~np.isin(records["doc"], exact)]
+    records = records[np.lexsort((records["doc"], records["key"]))]
+    pairs = []
+    boundaries = np.flatnonzero(records["key"][1:] != records["key"][:-1]) + 1
+    for group in np.split(records["doc"], boundaries):
+        if len(group) > 1:
+            first, second = np.triu_indices(len(group), k=1)
+            pairs.append(np.stack([group[first], group[second]], axis=1))
+    if not pairs:
+        return np.zeros((0, 2), np.int64)
+    pairs = np.unique(np.concatenate(pairs), axis=0)
+    left, right = signatures_of(plan, pairs[:, 0]), signatures_of(plan, pairs[:, 1])
+    # As datasketch's estimate: the share of equal hash values.
+    similar = (left == right).sum(axis=1) / left.shape[1] >= plan.cleaning.near_dedup_threshold
+    return pairs[similar]
+
+
+def signatures_of(plan: Plan, docs: np.ndarray) -> np.ndarray:
+    signatures = np.zeros((len(docs), plan.cleaning.minhash_perms), np.uint64)
+    owner = plan.partition_of(docs)
+    for partition in np.unique(owner):
+        directory = plan.partition_dir(int(partition))
+        rows = np.searchsorted(np.load(directory / "summary.npy")["doc"], docs[owner == partition])
+        signatures[owner == partition] = np.load(directory / "signatures.npy", mmap_mode="r")[rows]
+    return signatures
+
+
+# -- 3. tokenizing -------------------------------------------------------------------------------
+
+
+def training_range(plan: Plan, number: int, partitions: int) -> list[tuple]:
+    """The training copies whose mixing key falls in range `number`, in training order, without
+    the removed documents."""
+    removed = np.load(Path(plan.work_dir) / "removed.npy")
+    records = [record for partition in range(partitions)
+               for record in read_range(plan.partition_dir(partition) / "train", number)]
+    docs = np.array([record[1] for record in records], np.int64)
+    keep = ~np.isin(docs, removed)
+    return sorted((record for record, kept in zip(records, keep, strict=True) if kept),
+                  key=lambda record: (record[0], record[1]))
+
+
+def validation_documents(plan: Plan, partition: int) -> list[tuple]:
+    removed = np.load(Path(plan.work_dir) / "removed.npy")
+    records = read_pickle(plan.partition_dir(partition) / "val.pkl")
+    keep = ~np.isin(np.array([record[0] for record in records], np.int64), removed)
+    return [record for record, kept in zip(records, keep, strict=True) if kept]
+
+
+def tokenize_piece(work: PieceWork) -> dict[int, list[int]]:
+    """Token ids of the piece's documents in order, each followed by EOS, and per document its
+    length and source; returns per source index [documents, tokens (EOS included)]."""
+    plan = work.plan
+    if work.split == "train":
+        records = training_range(plan, work.number, work.partitions)
+        texts_sources = [(text, source) for _, _, source, _, text in records]
+    else:
+        records = validation_documents(plan, work.number)
+        texts_sources = [(text, source) for _, source, _, text in records]
+        write_bytes(work.stem.with_suffix(".jsonl"), "".join(
+            json.dumps({"source": plan.labels[source], "name": name, "text": text}) + "\n"
+            for _, source, name, text in records).encode())
+    tokenizer = Tokenizer.from_file(work.tokenizer)
+    # The _fast variant skips character offsets, which packing does not need.
+    encodings = tokenizer.encode_batch_fast([text for text, _ in texts_sources], add_special_tokens=False)
+    docs = np.array([(len(e.ids), source) for e, (_, source) in zip(encodings, texts_sources, strict=True)],
+                    dtype=PIECE_DOCS)
+    ids = np.full(int(docs["length"].sum()) + len(docs), work.eos_id, dtype=work.dtype)
+    position = 0
+    for encoding, length in zip(encodings, docs["length"], strict=True):
+        ids[position:position + length] = encoding.ids
+        position += length + 1  # the EOS after it is already there
+    write_array(Path(f"{work.stem}.ids.npy"), ids)
+    write_array(Path(f"{work.stem}.docs.npy"), docs)
+    counts: dict[int, list[int]] = {}
+    for source in np.unique(docs["source"]):
+        mine = docs["length"][docs["source"] == source]
+        counts[int(source)] = [len(mine), int(mine.sum()) + len(mine)]
+    return counts
+
+
+def piece_tokens(stem: str) -> int:
+    return len(np.load(f"{stem}.ids.npy", mmap_mode="r"))
+
+
+# -- 4. shards -----------------------------------------------------------------------------------
+
+
+def write_shard_group(work: ShardWork) -> tuple[list[dict], dict[int, int]]:
+    """The group's shards, and per source index the number of its samples holding its tokens."""
+    stream = TokenStream(work.pieces)
+    entries, sequences = [], {}
+    seq_len = work.seq_len
+    for number, first, end in work.shards:
+        lo, hi = first * seq_len, end * seq_len + 1
+        tokens = stream.tokens(lo, hi)
+        starts, ends, sources = stream.documents(lo, hi)
+        offsets = seq_len * np.arange(first, end)
+        index = np.arange(seq_len + 1)[None, :] + (offsets - lo)[:, None]
+        # The documents beginning in each sample, relative to it (starts are in stream order).
+        begin, stop = np.searchsorted(starts, offsets), np.searchsorted(starts, offsets + seq_len + 1)
+        sample_starts = [(starts[a:b] - offset).astype(np.int32)
+                         for offset, a, b in zip(offsets, begin, stop, strict=True)]
+        entries.append(write_shard(Path(work.out_dir), work.split, number, tokens[index], sample_starts,
+                                   first))
+        for source, count in sequences_per_source(starts, ends, sources, seq_len, first, end).items():
+            sequences[source] = sequences.get(source, 0) + count
+    return entries, sequences
+
+
+class TokenStream:
+    """The concatenated token pieces of a split, read by position without loading them."""
+
+    def __init__(self, pieces: tuple[str, ...]):
+        self.pieces = pieces
+        sizes = [piece_tokens(stem) for stem in pieces]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+    def overlapping(self, lo: int, hi: int) -> range:
+        first = int(np.searchsorted(self.offsets, lo, side="right")) - 1
+        last = int(np.searchsorted(self.offsets, hi, side="left"))
+        return range(max(first, 0), min(last, len(self.pieces)))
+
+    def tokens(self, lo: int, hi: int) -> np.ndarray:
+        parts = []
+        for k in self.overlapping(lo, hi):
+            ids = np.load(f"{self.pieces[k]}.ids.npy", mmap_mode="r")
+            base = self.offsets[k]
+            parts.append(np.array(ids[max(lo - base, 0):min(hi - base, len(ids))]))
+        return np.concatenate(parts)
+
+    def documents(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Start and end stream positions (EOS included) and source of the documents that
+        overlap [lo, hi)."""
+        starts, ends, sources = [], [], []
+        for k in self.overlapping(lo, hi):
+            docs = np.load(f"{self.pieces[k]}.docs.npy")
+            end = self.offsets[k] + np.cumsum(docs["length"] + 1)
+            start = end - docs["length"] - 1
+            mine = (start < hi) & (end > lo)
+            starts.append(start[mine])
+            ends.append(end[mine])
+            sources.append(docs["source"][mine])
+        return np.concatenate(starts), np.concatenate(ends), np.concatenate(sources)
+
+
+def sequences_per_source(starts: np.ndarray, ends: np.ndarray, sources: np.ndarray, seq_len: int,
+                         first: int, end: int) -> dict[int, int]:
+    """Per source, how many of samples first..end-1 hold at least one of its tokens. A document
+    spans stream positions [b, e); sample j holds positions [j*seq_len, j*seq_len + seq_len],
+    so it overlaps the document for ceil(b/seq_len) - 1 <= j <= (e-1)//seq_len. Samples mix
+    sources: the counts of all sources add up to at least the number of samples."""
+    lo = np.maximum(-(-starts // seq_len) - 1, first)
+    hi = np.minimum((ends - 1) // seq_len, end - 1)  # < lo: the document is outside these samples
+    counts = {}
+    for source in np.unique(sources):
+        mine = (sources == source) & (lo <= hi)
+        coverage = np.zeros(end - first + 1, np.int64)  # +1 where a document's samples begin, -1 after
+        np.add.at(coverage, lo[mine] - first, 1)
+        np.add.at(coverage, hi[mine] + 1 - first, -1)
+        counts[int(source)] = int((np.cumsum(coverage[:-1]) > 0).sum())
+    return counts
+
+
+# -- files ---------------------------------------------------------------------------------------
+
+
+def write_array(path: Path, array: np.ndarray) -> None:
+    """Whole or not at all: a rerun of the task (its worker lost) replaces it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, path)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_pickle(path: Path, value: object) -> None:
+    write_bytes(path, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def read_pickle(path: Path) -> object:
+    return pickle.loads(path.read_bytes())
