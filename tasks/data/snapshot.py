@@ -21,6 +21,15 @@ A source whose lines are those the snapshot already holds keeps its compressed f
 whichever zlib wrote it, so a machine with another zlib version sees an unchanged snapshot too,
 and the file is not compressed again -- and a snapshot identical to the one on disk is not
 rewritten, so DVC's hash of the directory, and its files' mtimes, stay put while the inputs do.
+
+At scale the sources are not read again either: beside the snapshot, `.<raw_dir>.stamps.json`
+records per source a stamp of the files it read (path, size, modification time; an object's
+ETag) and how (its config, max_chars) with the lines that gave; a source whose stamp is unchanged
+keeps its file without a read (datasets by name have no stamp and are read again).
+A file changed in place within the filesystem's timestamp resolution and to the same size goes
+unnoticed, as with make or DVC's own cache; delete sources.json to force a full read. The
+sources are copied, compressed, into the snapshot rather than referenced: DVC tracks what the
+build read, and a local corpus may change under a reference (the copy is made once per change).
 The second step (`build.py`) builds from the snapshot.
 """
 
@@ -43,8 +52,8 @@ from typing import BinaryIO
 from forgeline.configs import Config
 from forgeline.configs.schema import DataConfig, SourceConfig
 from forgeline.model.fileio import sha256_file
-from forgeline.tasks.atomic import remove_stale_staging, replace_dir, staging_dir
-from forgeline.tasks.data.sources import RawDocument, read_source
+from forgeline.tasks.atomic import remove_stale_staging, replace_dir, staging_dir, write_text_atomic
+from forgeline.tasks.data.sources import RawDocument, read_source, source_stamp
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +100,21 @@ def take_snapshot(cfg: Config) -> Snapshot:
     dcfg = cfg.data
     raw_dir = Path(dcfg.raw_dir)
     remove_stale_staging(raw_dir)
-    held = held_entries(raw_dir)
+    held, stamps = held_entries(raw_dir), read_stamps(raw_dir)
     with staging_dir(raw_dir) as tmp:
-        entries = [write_source(source, dcfg.cleaning.max_chars, tmp, held) for source in dcfg.sources]
+        entries, new_stamps = [], {}
+        for source in dcfg.sources:
+            stamp = read_stamp(source, dcfg.cleaning.max_chars)
+            entries.append(write_source(source, dcfg.cleaning.max_chars, tmp, held, stamps.get(stamp or "")))
+            if stamp:
+                new_stamps[stamp] = entries[-1]["lines_sha256"]
         index = {"format": SNAPSHOT_FORMAT, "config_sha256": snapshot_config_hash(dcfg),
                  "max_chars": dcfg.cleaning.max_chars, "sources": entries}
         (tmp / SOURCES_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         written = not same_files(tmp, raw_dir)
         if written:
             replace_dir(tmp, raw_dir)
+    write_text_atomic(stamps_file(raw_dir), json.dumps(new_stamps, indent=2, sort_keys=True) + "\n")
     documents = sum(entry["documents"] for entry in entries)
     log.info("sources: %d documents of %d sources -> %s (%s)", documents, len(entries), raw_dir,
              "written" if written else "unchanged, not rewritten")
@@ -107,10 +122,16 @@ def take_snapshot(cfg: Config) -> Snapshot:
 
 
 def write_source(source: SourceConfig, max_chars: int, directory: Path,
-                 held: dict[tuple[str, str], tuple[Path, dict]]) -> dict:
+                 held: dict[tuple[str, str], tuple[Path, dict]], stamped_lines: str | None) -> dict:
     """Write one source's documents to `directory` as gzip members of about MEMBER_BYTES of lines
-    each; a held file with the same lines is taken instead. Returns its sources.json entry."""
+    each; a held file with the same lines is taken instead -- without reading the source when
+    its files' stamp says its lines are those (`stamped_lines`). Returns its sources.json entry."""
     name = source_file(source.label)
+    if stamped_lines and (unchanged := held.get((name, stamped_lines))) is not None:
+        path, entry = unchanged
+        shutil.copyfile(path, directory / name)
+        return {**entry, "license": source.provenance or "unspecified", "provenance": provenance(source),
+                "config": source.model_dump(mode="json")}
     lines_digest = hashlib.sha256()
     documents = size = unread = 0
     with open(directory / name, "wb") as out:
@@ -132,6 +153,30 @@ def write_source(source: SourceConfig, max_chars: int, directory: Path,
             "members": members, "documents": documents, "bytes": size, "unread": unread,
             "license": source.provenance or "unspecified", "provenance": provenance(source),
             "config": source.model_dump(mode="json")}
+
+
+def stamps_file(raw_dir: Path) -> Path:
+    """Beside the snapshot, not in it: a touched file changes its stamp, not the snapshot."""
+    return raw_dir.with_name(f".{raw_dir.name}.stamps.json")
+
+
+def read_stamps(raw_dir: Path) -> dict[str, str]:
+    """The lines (their sha256) the snapshot's sources had under each read stamp."""
+    try:
+        stamps = json.loads(stamps_file(raw_dir).read_text())
+    except (OSError, ValueError):
+        return {}
+    return stamps if isinstance(stamps, dict) else {}
+
+
+def read_stamp(source: SourceConfig, max_chars: int) -> str | None:
+    """The stamp of a source's files (`source_stamp`) and of how they are read: the source's
+    config but its weight and licence, and max_chars (which decides which files are read)."""
+    files = source_stamp(source)
+    if files is None:
+        return None
+    how = source.model_dump(mode="json", exclude={"weight", "license"})
+    return hashlib.sha256(json.dumps([files, how, max_chars], sort_keys=True).encode()).hexdigest()
 
 
 class MemberWriter:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -145,6 +146,36 @@ def check_parquet(path: SourceFile, text_field: str) -> None:
     if text_field not in schema.names:
         raise SourceError(f"{path} has no column {text_field!r} (columns: {schema.names}); "
                           "set the source's text_field")
+
+
+def source_stamp(source: SourceConfig) -> str | None:
+    """A sha256 of the path, size and modification time (an object's ETag) of every file the
+    source reads: while it is unchanged, so are the source's documents, and the snapshot need
+    not read them again. None where there is no such stamp (a dataset by name, an object store
+    without ETags)."""
+    if source.kind == "shakespeare":
+        files: list[SourceFile] = shakespeare_plays()
+    elif source.kind == "stdlib":
+        files = stdlib_files()
+    elif source.kind == "files":
+        files = matching_files(source.path)
+    elif source.path:
+        files = sorted(path for path in Path(source.path).rglob("*") if path.is_file())
+    else:
+        return None
+    digest = hashlib.sha256()
+    if files and is_url(str(files[0])):
+        fs, _ = fsspec.core.url_to_fs(str(files[0]))
+        for url in files:
+            info = fs.info(url)
+            if not info.get("ETag"):
+                return None
+            digest.update(f"{url}\0{info['size']}\0{info['ETag']}\n".encode())
+    else:
+        for path in files:
+            stat = Path(path).stat()
+            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
 
 
 def read_source(source: SourceConfig, max_chars: int) -> Iterator[RawDocument]:

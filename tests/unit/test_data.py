@@ -86,7 +86,8 @@ def test_sequences_per_source_count_the_samples_holding_its_tokens() -> None:
               for label in sorted(set(sources))}
     assert source_sequences(sources, lengths, seq_len, 0, num_samples) == direct
     cuts = [0, 7, 8, 50, num_samples]
-    shards = [source_sequences(sources, lengths, seq_len, a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    shards = [source_sequences(sources, lengths, seq_len, a, b)
+              for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
     assert {label: sum(shard[label] for shard in shards) for label in direct} == direct
 
 

@@ -6,6 +6,7 @@ it is missing, damaged or was taken for another config."""
 import gzip
 import hashlib
 import json
+import os
 import platform
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from forgeline.configs.schema import SourceConfig
 from forgeline.flows.cli import main
 from forgeline.model.fileio import sha256_file
+from forgeline.tasks.data import snapshot
 from forgeline.tasks.data.build import build_dataset
 from forgeline.tasks.data.snapshot import (
     GZIP_LEVEL,
@@ -94,6 +96,31 @@ def test_snapshots_are_byte_identical_and_an_unchanged_one_is_not_rewritten(tmp_
     changed, unchanged = files_of(raw), files_of(Path(second.data.raw_dir))
     assert changed["shakespeare.jsonl.gz"] == unchanged["shakespeare.jsonl.gz"]
     assert changed[source_file("odd files")] != unchanged[source_file("odd files")]
+
+
+def test_a_source_whose_files_are_unchanged_is_not_read_again(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = corpus(tmp_path / "docs")
+    cfg = config(tmp_path, docs)
+    take_snapshot(cfg)
+    raw = Path(cfg.data.raw_dir)
+    before = files_of(raw)
+    read = []
+    original = snapshot.read_source
+    monkeypatch.setattr(snapshot, "read_source", lambda source, max_chars: read.append(source.label)
+                        or original(source, max_chars))
+    assert not take_snapshot(cfg).written and read == [] and files_of(raw) == before
+
+    # Touched (same bytes): read again, and the snapshot is still the same.
+    stat = (docs / "000.txt").stat()
+    os.utime(docs / "000.txt", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert not take_snapshot(cfg).written and read == ["odd files"]
+    assert files_of(raw) == before
+    # Changed: read again, rewritten; how a source is read (max_chars) counts too.
+    (docs / "000.txt").write_text("A changed scene.")
+    assert take_snapshot(cfg).written and read == ["odd files"] * 2
+    take_snapshot(config(tmp_path, docs, "data.cleaning.max_chars=50000"))
+    assert read == ["odd files"] * 2 + ["odd files", "shakespeare"]
 
 
 def recompressed(data: bytes, members: list[dict], level: int) -> tuple[bytes, list[dict]]:
