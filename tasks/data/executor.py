@@ -52,10 +52,19 @@ class Executor(Protocol):
         ...
 
 
+MEMORY_HINT = "lower data.partition_mb or give the workers more memory"
+
+
 def failure(name: str, item: Work, err: BaseException) -> PartitionFailed:
-    died = type(err).__name__ in {"KilledWorker", "BrokenProcessPool"}
-    why = ("its worker died repeatedly -- most often out of memory: lower data.partition_mb or give "
-           "the workers more memory" if died else f"{type(err).__name__}: {err}")
+    """The error for a piece of work that failed for good, naming it. A worker killed for its
+    memory (by Dask's nanny at its memory limit, or the kernel) shows as the worker's death: Dask
+    gives up after retrying the task on other workers (KilledWorker), a pool breaks."""
+    if isinstance(err, MemoryError):
+        why = f"it ran out of memory ({err or 'MemoryError'}); {MEMORY_HINT}"
+    elif type(err).__name__ in {"KilledWorker", "BrokenProcessPool"}:
+        why = f"its worker died ({type(err).__name__}) -- most often for lack of memory: {MEMORY_HINT}"
+    else:
+        why = f"{type(err).__name__}: {err}"
     return PartitionFailed(f"data build: {name} of {item.describe()} failed: {why}")
 
 
