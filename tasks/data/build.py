@@ -260,15 +260,16 @@ def count_kept(plan: w.Plan, partitions: int, removed: dict[str, np.ndarray],
         for reason, docs in removed.items():
             mine = np.isin(summary["doc"], docs)
             gone |= mine
-            for source in summary["source"][mine]:
+            for source, count in zip(*np.unique(summary["source"][mine], return_counts=True), strict=True):
                 entry = stats[plan.labels[source]]["removed"]
-                entry[reason] = entry.get(reason, 0) + 1
-        for row in summary[~gone]:
-            entry = stats[plan.labels[row["source"]]]
-            entry["kept"] += 1
-            entry["repaired_utf8"] += int(row["repaired"])
-            entry["boilerplate_lines"] += int(row["boilerplate_lines"])
-            entry["pii_replaced"] += int(row["pii_replaced"])
+                entry[reason] = entry.get(reason, 0) + int(count)
+        kept = summary[~gone]
+        for source in np.unique(kept["source"]):
+            rows, entry = kept[kept["source"] == source], stats[plan.labels[source]]
+            entry["kept"] += len(rows)
+            entry["repaired_utf8"] += int(rows["repaired"].sum())
+            entry["boilerplate_lines"] += int(rows["boilerplate_lines"].sum())
+            entry["pii_replaced"] += int(rows["pii_replaced"].sum())
         totals["all"] += int((~gone).sum())
         totals["val"] += int((~gone & summary["val"]).sum())
     totals["train"] = totals["all"] - totals["val"]
