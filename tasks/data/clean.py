@@ -23,6 +23,7 @@ from forgeline.configs.schema import CleaningConfig
 # Fixed so that signatures, and so the dedup decisions, are the same on every run.
 MINHASH_SEED = 1
 MINHASH_SCHEME = "affine32"
+MINHASH_BATCH = 8192  # shingles hashed at a time
 WORD = re.compile(r"\w+")
 PII_PATTERNS = (
     ("<EMAIL>", re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}")),
@@ -104,7 +105,11 @@ def minhash_signature(words: list[str], cfg: CleaningConfig) -> np.ndarray:
     n = cfg.shingle_words
     shingles = {" ".join(words[i:i + n]) for i in range(max(1, len(words) - n + 1))}
     minhash = MinHash(num_perm=cfg.minhash_perms, seed=MINHASH_SEED, scheme=MINHASH_SCHEME)
-    minhash.update_batch([s.encode() for s in sorted(shingles)])
+    ordered = sorted(shingles)
+    # update_batch holds a (perms x shingles) array: in slices, a large document's signature
+    # costs tens of megabytes, not gigabytes (the minimum does not depend on the slicing).
+    for start in range(0, len(ordered), MINHASH_BATCH):
+        minhash.update_batch([s.encode() for s in ordered[start:start + MINHASH_BATCH]])
     return minhash.hashvalues
 
 
