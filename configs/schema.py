@@ -194,7 +194,8 @@ class CleaningConfig(Section):
 
     near_dedup_threshold: float = Field(0.85, ge=0, le=1)
     """Drop documents whose estimated Jaccard similarity of word shingles to an earlier kept one
-    exceeds this (MinHash-LSH, datasketch); 0 disables near-dedup."""
+    reaches this (MinHash signatures, LSH bands as datasketch chooses them); 0 disables
+    near-dedup."""
 
     shingle_words: PositiveInt = 5
     """Words per shingle for near-dedup."""

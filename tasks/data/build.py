@@ -129,7 +129,11 @@ def build_from_snapshot(cfg: Config) -> DataResult:
     if (manifest := up_to_date_manifest(out_dir, build_key)) is not None:
         log.info("data: %s is up to date (build %s); nothing rewritten", out_dir, build_key[:12])
         return data_result(out_dir, manifest, reused=True)
-    partitions = partition_members(snapshot_members(dcfg), dcfg.partition_mb)
+    members = snapshot_members(dcfg)
+    if not members:
+        raise ValueError(f"data.sources hold no document (sources {[s.label for s in dcfg.sources]}); "
+                         "check their paths and text fields")
+    partitions = partition_members(members, dcfg.partition_mb)
     num_workers = dcfg.num_workers or len(os.sched_getaffinity(0))
     with staging_dir(out_dir) as tmp, executor_for(dcfg.executor, dcfg.dask_address, num_workers) as executor:
         plan = w.Plan(work_dir=str(tmp / ".work"), raw_dir=dcfg.raw_dir, cleaning=dcfg.cleaning,
@@ -205,7 +209,7 @@ def partition_members(members: list[Member], partition_mb: float) -> list[list[M
         if size >= partition_mb * 2**20:
             partitions.append(current)
             current, size = [], 0
-    if current or not partitions:
+    if current:
         partitions.append(current)
     return partitions
 

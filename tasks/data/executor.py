@@ -24,6 +24,7 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Protocol, TypeVar
+from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +116,11 @@ class DaskExecutor:
         from prefect.context import FlowRunContext, TaskRunContext
 
         address = self.address or local_cluster(self.num_workers).scheduler_address
+        self.api_url = None
         if FlowRunContext.get() or TaskRunContext.get():
             from prefect_dask import DaskTaskRunner
 
+            self.api_url = temporary_api_url(address)
             self.runner, self.client = DaskTaskRunner(address=address), None
             self.runner.__enter__()
         else:
@@ -138,11 +141,14 @@ class DaskExecutor:
         if self.runner:
             from prefect import task
             from prefect.cache_policies import NO_CACHE
+            from prefect.settings import PREFECT_API_URL, temporary_settings
 
             # Inputs are paths and counts; nothing to cache or persist: the files are the results.
             prefect_task = task(fn, name=f"data-{name}", cache_policy=NO_CACHE, persist_result=False,
                                 task_run_name=f"data-{name}-{{work.number}}")
-            futures = [self.runner.submit(prefect_task, parameters={"work": item}) for item in items]
+            # The submitted task runs carry these settings to the workers.
+            with temporary_settings({PREFECT_API_URL: self.api_url} if self.api_url else {}):
+                futures = [self.runner.submit(prefect_task, parameters={"work": item}) for item in items]
         else:
             # pure=False: the key must not be a hash of the item, whose plan differs per build
             futures = [self.client.submit(fn, item, pure=False) for item in items]
@@ -153,6 +159,27 @@ class DaskExecutor:
             except Exception as err:
                 raise failure(name, item, err) from err
         return results
+
+
+def temporary_api_url(address: str) -> str | None:
+    """The URL of the temporary Prefect server this process runs its flow on, when it has no
+    configured API: the workers report there (left to themselves, each would start a server of
+    its own, on the same database). Such a server listens on 127.0.0.1 only: a cluster on
+    other machines needs a Prefect server it can reach."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return None
+    server = SubprocessASGIServer()
+    if not server.running:
+        return None
+    host = urlsplit(address).hostname or ""
+    if host not in {"localhost", "::1"} and not host.startswith("127."):
+        raise ValueError(f"data.dask_address {address} is a cluster on another machine, but this stage "
+                         f"reports to a temporary Prefect server on 127.0.0.1 its workers cannot reach; "
+                         "set PREFECT_API_URL to a Prefect server they can reach")
+    return server.api_url
 
 
 def local_cluster(num_workers: int) -> object:

@@ -1,8 +1,10 @@
 """A stage run against a real `prefect server start` named by PREFECT_API_URL (no temporary
-server): the flow run and its task run are recorded by that server."""
+server): the flow run, its stage task run and the data build's partition work (Prefect task runs
+on the local Dask cluster) are recorded by that server."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -26,5 +28,10 @@ def test_stage_runs_against_the_server_in_prefect_api_url(tmp_path: Path, prefec
     assert flow["name"] == "forgeline-data" and flow_run["state"]["type"] == "COMPLETED"
     task_runs = httpx.post(f"{prefect_server}/task_runs/filter",
                            json={"flow_runs": {"id": {"any_": [flow_run["id"]]}}}, timeout=30).json()
-    assert [t["state"]["type"] for t in task_runs] == ["COMPLETED"]
+    assert {t["state"]["type"] for t in task_runs} == {"COMPLETED"}
+    names = [t["name"] for t in task_runs]
+    partition_work = [name for name in names if re.fullmatch(r"data-[a-z-]+-\d+", name)]
+    assert len(names) - len(partition_work) == 1  # the stage's own task run
+    assert {"data-clean-0", "data-exact-dedup-0", "data-near-dedup-0", "data-tokenize-train-0",
+            "data-shards-train-0"} <= set(names), names
     assert (workdir / "artifacts" / "data" / "manifest.json").is_file()
