@@ -87,9 +87,11 @@ def run_ranks(module: str, nproc: int, args: list[str], cwd: Path, timeout: floa
 
 
 def prefect_flow_runs(workdir: Path) -> list[dict]:
-    """Flow runs (with their task runs) recorded in the Prefect database of `workdir`."""
+    """Flow runs (with their stages' task runs, and apart the data build's partition work)
+    recorded in the Prefect database of `workdir`."""
     script = r"""
 import json
+import re
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter
 with get_client(sync_client=True) as client:
@@ -97,9 +99,13 @@ with get_client(sync_client=True) as client:
     for fr in client.read_flow_runs():
         flow = client.read_flow(fr.flow_id)
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
+        # The data build's partition work (data-clean-0, ...) runs as task runs of its own.
+        work = [t for t in tasks if re.fullmatch(r"data-[a-z-]+-\d+", t.name)]
+        stages = [t for t in tasks if t not in work]
         out.append({"id": str(fr.id), "flow": flow.name, "state": fr.state.type.value,
-                    "tasks": sorted((t.name.split("-")[0], t.state.type.value) for t in tasks),
-                    "task_run_counts": {t.name.split("-")[0]: t.run_count for t in tasks}})
+                    "tasks": sorted((t.name.split("-")[0], t.state.type.value) for t in stages),
+                    "task_run_counts": {t.name.split("-")[0]: t.run_count for t in stages},
+                    "partition_work": sorted((t.name, t.state.type.value) for t in work)})
 print(json.dumps(out))
 """
     done = run([sys.executable, "-c", "import forgeline.flows\n" + script], workdir, timeout=300)

@@ -97,6 +97,9 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     assert flow_run["id"] == parent.data.tags["prefect.flow_run_id"]
     assert flow_run["flow"] == "forgeline-pipeline" and flow_run["state"] == "COMPLETED"
     assert flow_run["tasks"] == sorted([name, "COMPLETED"] for name in ("data", "train", "eval", "register"))
+    # The data build's partition work ran as Prefect task runs on the local Dask cluster.
+    assert ["data-clean-0", "COMPLETED"] in flow_run["partition_work"]
+    assert {state for _, state in flow_run["partition_work"]} == {"COMPLETED"}
 
     # A second run with nothing changed skips every stage and registers no new version.
     again = run([str(VENV_BIN / "forgeline"), "run", "--config", "debug.yaml"], tmp_path)
