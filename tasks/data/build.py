@@ -313,8 +313,8 @@ def write_split(executor: Executor, split: str, pieces: tuple[str, ...], samples
     shards = [(number, start, min(start + per_shard, samples))
               for number, start in enumerate(range(0, samples, per_shard))]
     size = -(-len(shards) // (num_workers * SHARD_GROUPS_PER_WORKER))
-    groups = [w.ShardWork(n, split, tuple(shards[i:i + size]), pieces, dcfg.seq_len, str(directory),
-                          len(plan.labels)) for n, i in enumerate(range(0, len(shards), size))]
+    groups = [w.ShardWork(n, split, tuple(shards[i:i + size]), pieces, dcfg.seq_len, str(directory))
+              for n, i in enumerate(range(0, len(shards), size))]
     entries = []
     for group_entries, sequences in executor.map(f"shards-{split}", w.write_shard_group, groups):
         entries += group_entries

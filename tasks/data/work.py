@@ -117,7 +117,6 @@ class ShardWork:
     pieces: tuple[str, ...]  # the token pieces of the split, in stream order
     seq_len: int
     out_dir: str
-    num_sources: int
 
     def describe(self) -> str:
         return f"{self.split} shards {self.shards[0][0]}..{self.shards[-1][0]}"
