@@ -251,8 +251,9 @@ class DataConfig(Section):
     executor: Literal["dask", "pool"] = "dask"
     """What runs the build's partition work (reading, cleaning, dedup, tokenizing, shard writing).
     `dask`: Prefect tasks on a `DaskTaskRunner` -- on the cluster at `dask_address`, else on a
-    local cluster of `num_workers` processes started on first use and kept for the process's
-    life. `pool`: forked processes of this machine, without Prefect. The output is identical."""
+    local cluster of `num_workers` processes started for the stage (and stopped after it, so
+    that its idle workers do not slow the training that follows). `pool`: forked processes of
+    this machine, without Prefect. The output is identical."""
 
     dask_address: str | None = None
     """A running Dask scheduler (`tcp://host:8786`) for `executor: dask`; its workers must see

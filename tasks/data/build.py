@@ -48,7 +48,7 @@ from forgeline.model.fileio import sha256_file
 from forgeline.model.training.shards import FORMAT_VERSION, MANIFEST_NAME
 from forgeline.tasks.atomic import remove_stale_staging, replace_dir, staging_dir
 from forgeline.tasks.data import work as w
-from forgeline.tasks.data.executor import Executor, executor_for
+from forgeline.tasks.data.executor import Executor, close_local_clusters, executor_for
 from forgeline.tasks.data.snapshot import (
     SOURCES_NAME,
     Member,
@@ -95,8 +95,13 @@ def build_dataset(cfg: Config, from_snapshot: bool = False) -> DataResult:
 
 def build_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> DataResult:
     """The data stage's function (tasks/stage.py): the build; the snapshot is taken before, on
-    every run, cache or not."""
-    return build_from_snapshot(cfg)
+    every run, cache or not. A local Dask cluster goes with the stage: its idle workers' timers
+    would slow the next stage's training ranks on the same cores (by a third on the tiny
+    pipeline)."""
+    try:
+        return build_from_snapshot(cfg)
+    finally:
+        close_local_clusters()
 
 
 def record_data(cfg: Config, run: RunTracker, parent: RunTracker | None, result: DataResult) -> None:

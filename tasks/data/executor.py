@@ -9,10 +9,11 @@ items' order, so the output cannot depend on which worker ran what, or how many 
 the runs show in Prefect's UI under the stage's flow run, with their logs (called without Prefect,
 it submits the same functions with a plain Dask client). Without an address it
 runs on a local cluster of processes, started on first use and kept for the life of the process
-(a second build in the same process, as in a served deployment or the tests, does not wait for
-workers to start again). A worker that dies mid-task (killed, out of memory) has its task
-recomputed by Dask on another; a task that fails for good raises `PartitionFailed`, naming the
-partition and its sources.
+(a second build in the same process, as in the tests, does not wait for workers to start
+again), except that the data stage closes it when done (`close_local_clusters`), so that no idle
+workers share the cores with the training that follows. A worker that dies mid-task (killed,
+out of memory) has its task recomputed by Dask on another; a task that fails for good raises
+`PartitionFailed`, naming the partition and its sources.
 """
 
 from __future__ import annotations
@@ -191,9 +192,15 @@ def local_cluster(num_workers: int) -> object:
 
         cluster = LocalCluster(n_workers=num_workers, threads_per_worker=1, processes=True, host="127.0.0.1",
                                dashboard_address=None, silence_logs=logging.WARNING, env=WORKER_ENV)
-        atexit.register(cluster.close)
         _LOCAL_CLUSTERS[num_workers] = cluster
     return _LOCAL_CLUSTERS[num_workers]
+
+
+@atexit.register
+def close_local_clusters() -> None:
+    """Stop this process's local clusters (the next build starts one again)."""
+    while _LOCAL_CLUSTERS:
+        _LOCAL_CLUSTERS.popitem()[1].close()
 
 
 def executor_for(executor: str, address: str | None, num_workers: int) -> PoolExecutor | DaskExecutor:
