@@ -95,9 +95,8 @@ def build_dataset(cfg: Config, from_snapshot: bool = False) -> DataResult:
 
 def build_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> DataResult:
     """The data stage's function (tasks/stage.py): the build; the snapshot is taken before, on
-    every run, cache or not. A local Dask cluster goes with the stage: its idle workers' timers
-    would slow the next stage's training ranks on the same cores (by a third on the tiny
-    pipeline)."""
+    every run, cache or not. A local Dask cluster goes with the stage: its idle workers would
+    share the cores with the next stage's training ranks."""
     try:
         return build_from_snapshot(cfg)
     finally:

@@ -75,9 +75,12 @@ def test_output_is_byte_identical_across_executors_workers_and_partitions(
     cfg = build_config(tmp_path, raw_dir, f"data.executor={executor}", f"data.num_workers={workers}",
                        f"data.partition_mb={partition_mb}")
     assert len(partition_members(snapshot_members(cfg.data), partition_mb)) == partitions
+    environ = dict(os.environ)
     with caplog.at_level(logging.INFO, logger="forgeline.tasks.data.executor"):
         result = build_dataset(cfg, from_snapshot=True)
     assert not result.reused
+    # Dask's nanny sets its workers' variables here; the training launched next must not inherit them.
+    assert dict(os.environ) == environ
     assert output_digests(result.out_dir) == reference
     if executor == "dask":  # it ran on this process's local cluster of that size
         address = data_executor.local_cluster(workers).scheduler_address
