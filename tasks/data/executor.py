@@ -78,30 +78,16 @@ class PoolExecutor:
         self.num_workers = num_workers
 
     def __enter__(self) -> PoolExecutor:
-        saved = {key: os.environ.get(key) for key in WORKER_ENV}
-        os.environ.update(WORKER_ENV)  # inherited at fork; the parent restores its own below
-        try:
-            self.pool = ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("fork"))
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        # The workers fork on demand, at submit time: each sets its variables when it starts.
+        self.pool = ProcessPoolExecutor(self.num_workers, mp_context=multiprocessing.get_context("fork"),
+                                        initializer=os.environ.update, initargs=(WORKER_ENV,))
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.pool.shutdown(cancel_futures=True)
 
     def map(self, name: str, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
-        futures = [self.pool.submit(fn, item) for item in items]
-        results = []
-        for item, future in zip(items, futures, strict=True):
-            try:
-                results.append(future.result())
-            except Exception as err:
-                raise failure(name, item, err) from err
-        return results
+        return results_in_order(name, items, [self.pool.submit(fn, item) for item in items])
 
 
 class DaskExecutor:
@@ -158,13 +144,19 @@ class DaskExecutor:
         else:
             # pure=False: the key must not be a hash of the item, whose plan differs per build
             futures = [self.client.submit(fn, item, pure=False) for item in items]
-        results = []
-        for item, future in zip(items, futures, strict=True):
-            try:
-                results.append(future.result())
-            except Exception as err:
-                raise failure(name, item, err) from err
-        return results
+        return results_in_order(name, items, futures)
+
+
+def results_in_order(name: str, items: Sequence[Work], futures: Sequence) -> list:
+    """Each future's result (a process pool's, Dask's or Prefect's), in the items' order; the first
+    failure raised naming its item."""
+    results = []
+    for item, future in zip(items, futures, strict=True):
+        try:
+            results.append(future.result())
+        except Exception as err:
+            raise failure(name, item, err) from err
+    return results
 
 
 def restore_environ(saved: dict[str, str]) -> None:
