@@ -146,7 +146,7 @@ def build_from_snapshot(cfg: Config) -> DataResult:
                       buckets=len(partitions), partition_firsts=tuple(p[0].first for p in partitions))
         Path(plan.work_dir, "tokens").mkdir(parents=True)
         stats = {source.label: source_entry(source) for source in dcfg.sources}
-        work = [w.PartitionWork(n, tuple(members), plan) for n, members in enumerate(partitions)]
+        work = [w.PartitionWork(n, tuple(partition), plan) for n, partition in enumerate(partitions)]
         cleaned = executor.map("clean", w.clean_partition, work)
         count_filters(plan, cleaned, stats)
         removed = deduplicate(plan, executor, len(partitions))

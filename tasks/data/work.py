@@ -152,9 +152,10 @@ def clean_partition(work: PartitionWork) -> CleanSummary:
                 counts[cleaned.removed_by] = counts.get(cleaned.removed_by, 0) + 1
                 continue
             kept.append((member.first + offset, source, cleaned, raw.name))
+    val = [is_val(c.sha256, plan.val_fraction) for _, _, c, _ in kept]
     write_array(out / "summary.npy", np.array(
-        [(doc, source, is_val(c.sha256, plan.val_fraction), c.repaired, c.boilerplate_lines, c.pii_replaced)
-         for doc, source, c, _ in kept], dtype=SUMMARY))
+        [(doc, source, in_val, c.repaired, c.boilerplate_lines, c.pii_replaced)
+         for (doc, source, c, _), in_val in zip(kept, val, strict=True)], dtype=SUMMARY))
     write_array(out / "exact.npy", keyed([(bytes.fromhex(c.dedup_key), doc) for doc, _, c, _ in kept],
                                          plan.buckets))
     if cfg.near_dedup_threshold:
@@ -164,10 +165,10 @@ def clean_partition(work: PartitionWork) -> CleanSummary:
         write_array(out / "bands.npy", keyed(band_records, plan.buckets))
         write_array(out / "signatures.npy", np.array([c.signature for _, _, c, _ in kept], dtype=np.uint64)
                     .reshape(len(kept), cfg.minhash_perms))
-    write_pickle(out / "val.pkl", [(doc, source, name, c.text) for doc, source, c, name in kept
-                                   if is_val(c.sha256, plan.val_fraction)])
+    write_pickle(out / "val.pkl", [(doc, source, name, c.text) for (doc, source, c, name), in_val
+                                   in zip(kept, val, strict=True) if in_val])
     copies = sorted((mixing_key(c.sha256, copy), doc, source, c.sha256, c.text)
-                    for doc, source, c, _ in kept if not is_val(c.sha256, plan.val_fraction)
+                    for (doc, source, c, _), in_val in zip(kept, val, strict=True) if not in_val
                     for copy in range(copies_of(c.sha256, plan.weights[source])))
     write_ranges(out / "train", copies, plan.buckets)
     return summary
