@@ -37,7 +37,8 @@ with its name and weight. `--every N` keeps every Nth file of each source.
    `near-dedup` maps and the decision in document order); goal: roughly constant, a linear cost.
 
 The phase times come from wrappers the measuring process puts around build.py's executor (each
-map, by name) and steps (snapshot, deduplicate, tokenizer training). Rounds alternate the order
+map or submission, by name, from submission to its last result: the tokenize and shard phases of
+the two splits overlap) and steps (snapshot, deduplicate, tokenizer training). Rounds alternate the order
 of the measurements; times keep each measurement's best round (the least disturbed by other
 load), memory its largest; the 1-minute load average before each measurement is recorded.
 
@@ -66,6 +67,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 
@@ -208,12 +210,18 @@ class Phases:
             def __exit__(self, *exc):
                 return self.inner.__exit__(*exc)
 
+            def submit(self, name, fn, items):
+                started, submitted = time.perf_counter(), self.inner.submit(name, fn, items)
+
+                def results():
+                    try:
+                        return submitted.results()
+                    finally:
+                        phases.add(name, time.perf_counter() - started)
+                return SimpleNamespace(results=results)
+
             def map(self, name, fn, items):
-                started = time.perf_counter()
-                try:
-                    return self.inner.map(name, fn, items)
-                finally:
-                    phases.add(name, time.perf_counter() - started)
+                return self.submit(name, fn, items).results()
 
         def counted_near_duplicates(pairs):
             self.near_pairs += len(pairs)

@@ -48,6 +48,7 @@ from forgeline.model.fileio import sha256_file
 from forgeline.model.training.shards import FORMAT_VERSION, MANIFEST_NAME
 from forgeline.tasks.atomic import remove_stale_staging, replace_dir, staging_dir
 from forgeline.tasks.data import work as w
+from forgeline.tasks.data.clean import lsh_bands
 from forgeline.tasks.data.executor import Executor, close_local_clusters, executor_for
 from forgeline.tasks.data.snapshot import (
     SOURCES_NAME,
@@ -66,6 +67,7 @@ log = logging.getLogger(__name__)
 
 BUILD_NAME = "build.json"  # the build fingerprint of the output
 SHARD_GROUPS_PER_WORKER = 4  # shard-writing tasks per worker: enough to even out the last ones
+RECORDS_PER_BUCKET = 2_000_000  # dedup records per reducer: about 90 MB of them, and their sort
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,8 @@ def build_from_snapshot(cfg: Config) -> DataResult:
         plan = w.Plan(work_dir=str(tmp / ".work"), raw_dir=dcfg.raw_dir, cleaning=dcfg.cleaning,
                       labels=tuple(source.label for source in dcfg.sources),
                       weights=tuple(source.weight for source in dcfg.sources), val_fraction=dcfg.val_fraction,
-                      buckets=len(partitions), partition_firsts=tuple(p[0].first for p in partitions))
+                      buckets=dedup_buckets(members, dcfg, num_workers), ranges=len(partitions),
+                      partition_firsts=tuple(p[0].first for p in partitions))
         Path(plan.work_dir, "tokens").mkdir(parents=True)
         stats = {source.label: source_entry(source) for source in dcfg.sources}
         work = [w.PartitionWork(n, tuple(partition), plan) for n, partition in enumerate(partitions)]
@@ -159,20 +162,25 @@ def build_from_snapshot(cfg: Config) -> DataResult:
         tokenizer_json = str(Path(plan.work_dir) / "tokenizer.json")
         tokenizer.save(tokenizer_json)
         dtype = np.dtype(vocab_dtype(tokenizer)).str
-        splits = {}
-        for split in ("train", "val"):
-            pieces = [w.PieceWork(n, split, len(partitions), tokenizer_json, eos_id, dtype, plan)
-                      for n in range(len(partitions))]
-            counts = executor.map(f"tokenize-{split}", w.tokenize_piece, pieces)
-            tokens = count_tokens(plan, counts, split, stats)
+        # Both splits' pieces at once, and a split's shards as soon as its pieces are done: no
+        # worker waits for the last piece of a phase it has no part in.
+        pieces = {split: [w.PieceWork(n, split, len(partitions), tokenizer_json, eos_id, dtype, plan)
+                          for n in range(len(partitions))] for split in ("train", "val")}
+        tokenizing = {split: executor.submit(f"tokenize-{split}", w.tokenize_piece, pieces[split])
+                      for split in pieces}
+        splits, writing = {}, {}
+        for split, submitted in tokenizing.items():
+            tokens = count_tokens(plan, submitted.results(), split, stats)
             samples = max(0, (tokens - 1) // dcfg.seq_len)
             if samples == 0:
                 raise ValueError(f"the {split} split has {tokens} tokens, fewer than one sample of "
                                  f"data.seq_len + 1 = {dcfg.seq_len + 1}; lower data.seq_len or add text")
-            shards = write_split(executor, split, tuple(str(piece.stem) for piece in pieces), samples, dcfg,
-                                 tmp, num_workers, plan, stats)
-            splits[split] = {"documents": documents[split], "tokens": tokens, "samples": samples,
-                             "shards": shards}
+            groups = shard_groups(split, tuple(str(piece.stem) for piece in pieces[split]), samples, dcfg,
+                                  tmp, num_workers)
+            writing[split] = executor.submit(f"shards-{split}", w.write_shard_group, groups)
+            splits[split] = {"documents": documents[split], "tokens": tokens, "samples": samples}
+        for split, submitted in writing.items():
+            splits[split]["shards"] = shard_entries(submitted.results(), split, plan, stats)
         log.info("data: tokenizer ready, documents tokenized and packed at %.1f s",
                  time.perf_counter() - started)
         concatenate([Path(plan.work_dir, "tokens", f"val-{n:06d}.jsonl") for n in range(len(partitions))],
@@ -216,6 +224,17 @@ def partition_members(members: list[Member], partition_mb: float) -> list[list[M
     if current:
         partitions.append(current)
     return partitions
+
+
+def dedup_buckets(members: list[Member], dcfg: DataConfig, num_workers: int) -> int:
+    """Reducers of the dedup shuffle: enough for the workers, and for each to hold at most
+    RECORDS_PER_BUCKET records (a document has one per LSH band). Sized by the records, not one
+    per partition: each reducer reads its slice of every partition, so the reads are
+    partitions x buckets, which one bucket per partition made quadratic in the corpus. Which
+    bucket a key falls in decides nothing: the output does not depend on their number."""
+    documents = sum(member.documents for member in members)
+    per_document = len(lsh_bands(dcfg.cleaning)) if dcfg.cleaning.near_dedup_threshold else 1
+    return max(num_workers, -(-documents * per_document // RECORDS_PER_BUCKET))
 
 
 def count_filters(plan: w.Plan, cleaned: list[w.CleanSummary], stats: dict[str, dict]) -> None:
@@ -294,7 +313,7 @@ def count_kept(plan: w.Plan, partitions: int, removed: dict[str, np.ndarray],
 
 def training_texts(plan: w.Plan, partitions: int) -> Iterator[tuple[str, str]]:
     """(sha256, text) of the training documents in training order, one key range at a time."""
-    for number in range(plan.buckets):
+    for number in range(plan.ranges):
         for record in w.training_range(plan, number, partitions):
             yield record[3], record[4]
 
@@ -309,18 +328,23 @@ def count_tokens(plan: w.Plan, counts: list[dict[int, list[int]]], split: str, s
     return tokens
 
 
-def write_split(executor: Executor, split: str, pieces: tuple[str, ...], samples: int, dcfg: DataConfig,
-                directory: Path, num_workers: int, plan: w.Plan, stats: dict[str, dict]) -> list[dict]:
-    """Write the shards of a split, in groups on the workers; returns their manifest entries in
-    order and adds each source's sequences to `stats`."""
+def shard_groups(split: str, pieces: tuple[str, ...], samples: int, dcfg: DataConfig, directory: Path,
+                 num_workers: int) -> list[w.ShardWork]:
+    """A split's shards, in groups for the workers to write."""
     per_shard = dcfg.samples_per_shard
     shards = [(number, start, min(start + per_shard, samples))
               for number, start in enumerate(range(0, samples, per_shard))]
     size = -(-len(shards) // (num_workers * SHARD_GROUPS_PER_WORKER))
-    groups = [w.ShardWork(n, split, tuple(shards[i:i + size]), pieces, dcfg.seq_len, str(directory))
-              for n, i in enumerate(range(0, len(shards), size))]
+    return [w.ShardWork(n, split, tuple(shards[i:i + size]), pieces, dcfg.seq_len, str(directory))
+            for n, i in enumerate(range(0, len(shards), size))]
+
+
+def shard_entries(written: list[tuple[list[dict], dict[int, int]]], split: str, plan: w.Plan,
+                  stats: dict[str, dict]) -> list[dict]:
+    """The manifest entries of the shards the groups wrote, in order; each source's sequences are
+    added to `stats`."""
     entries = []
-    for group_entries, sequences in executor.map(f"shards-{split}", w.write_shard_group, groups):
+    for group_entries, sequences in written:
         entries += group_entries
         for source, count in sequences.items():
             stats[plan.labels[source]][f"{split}_sequences"] += count

@@ -208,13 +208,13 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Reference
     return raw_dir, reference
 
 
-def partitioned_decisions(cfg: Config, work_dir: Path) -> tuple[int, dict[str, list[int]]]:
+def partitioned_decisions(cfg: Config, work_dir: Path, buckets: int) -> tuple[int, dict[str, list[int]]]:
     """The build's dedup alone, as build.py runs it: clean the partitions, then the shuffle."""
     dcfg = cfg.data
     partitions = partition_members(snapshot_members(dcfg), dcfg.partition_mb)
     plan = w.Plan(work_dir=str(work_dir), raw_dir=dcfg.raw_dir, cleaning=dcfg.cleaning,
                   labels=tuple(s.label for s in dcfg.sources), weights=tuple(s.weight for s in dcfg.sources),
-                  val_fraction=dcfg.val_fraction, buckets=len(partitions),
+                  val_fraction=dcfg.val_fraction, buckets=buckets, ranges=len(partitions),
                   partition_firsts=tuple(p[0].first for p in partitions))
     with PoolExecutor(dcfg.num_workers) as executor:
         executor.map("clean", w.clean_partition, [w.PartitionWork(n, tuple(members), plan)
@@ -223,13 +223,14 @@ def partitioned_decisions(cfg: Config, work_dir: Path) -> tuple[int, dict[str, l
     return len(partitions), {reason: docs.tolist() for reason, docs in removed.items()}
 
 
-@pytest.mark.parametrize(("partition_mb", "partitions"), [(0.001, (40, 100)), (0.1, (4, 8)), (100, (1, 1))])
+@pytest.mark.parametrize(("partition_mb", "partitions", "buckets"),
+                         [(0.001, (40, 100), 3), (0.001, (40, 100), 64), (0.1, (4, 8), 5), (100, (1, 1), 1)])
 def test_partitioned_dedup_decides_as_one_sequential_process(
         tmp_path: Path, generated: tuple[Path, Reference], partition_mb: float,
-        partitions: tuple[int, int]) -> None:
+        partitions: tuple[int, int], buckets: int) -> None:
     raw_dir, reference = generated
     cfg = generated_config(tmp_path, raw_dir, f"data.partition_mb={partition_mb}")
-    count, removed = partitioned_decisions(cfg, tmp_path / "work")
+    count, removed = partitioned_decisions(cfg, tmp_path / "work", buckets)
     assert partitions[0] <= count <= partitions[1]
     for reason, expected in (("exact_duplicate", reference.exact), ("near_duplicate", reference.near)):
         # by name: a failure shows which documents
