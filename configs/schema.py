@@ -84,6 +84,9 @@ DEFAULT_LICENSES = {
 }
 
 
+SPLIT_SLICE = re.compile(r"(?P<name>[\w.-]+)(?:\[(?P<first>\d*):(?P<end>\d*)\])?")
+
+
 class SourceConfig(Section):
     """One input corpus of the data stage."""
 
@@ -114,7 +117,8 @@ class SourceConfig(Section):
     """`hf` with `dataset` only: the files a packaged builder (`json`, `parquet`, `csv`) reads."""
 
     split: str = "train"
-    """`hf` only: the split to read."""
+    """`hf` only: the split to read, whole or a slice of its rows: `train[:1000]`,
+    `train[1000:2000]` (read as a stream, so no percentages: a stream has no length)."""
 
     text_field: str = "text"
     """Field of a jsonl record, parquet column or dataset column that holds the document text."""
@@ -140,7 +144,21 @@ class SourceConfig(Section):
             raise ValueError(f"`dataset` is for kind 'hf', not {self.kind!r}")
         if self.data_files and not self.dataset:
             raise ValueError("`data_files` go with `dataset` (a builder such as json or parquet), kind 'hf'")
+        self.split_rows  # noqa: B018  (raises for a split it cannot read)
         return self
+
+    @property
+    def split_rows(self) -> tuple[str, int, int | None]:
+        """`split` as (name, first row, end row or None for all)."""
+        match = SPLIT_SLICE.fullmatch(self.split)
+        if not match:
+            raise ValueError(f"split {self.split!r}: a split name, or one with a slice of rows such as "
+                             "'train[:1000]' or 'train[1000:2000]' (not percentages: the dataset is "
+                             "streamed, and a stream has no length)")
+        first, end = int(match["first"] or 0), int(match["end"]) if match["end"] else None
+        if end is not None and end <= first:
+            raise ValueError(f"split {self.split!r}: the slice holds no row")
+        return match["name"], first, end
 
     @property
     def label(self) -> str:

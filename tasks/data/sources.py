@@ -274,24 +274,32 @@ def read_hf(source: SourceConfig) -> Iterator[RawDocument]:
 def saved_dataset_texts(source: SourceConfig) -> Iterator[str | None]:
     import datasets  # heavy; only hf sources need it
 
+    name, first, end = source.split_rows
     loaded = datasets.load_from_disk(source.path)  # memory-mapped: rows are read as iterated
     if isinstance(loaded, datasets.DatasetDict):
-        if source.split not in loaded:
-            raise SourceError(f"{source.path} has splits {sorted(loaded)}, not {source.split!r}")
-        loaded = loaded[source.split]
+        if name not in loaded:
+            raise SourceError(f"{source.path} has splits {sorted(loaded)}, not {name!r}")
+        loaded = loaded[name]
     check_column(source, loaded.column_names)
-    for batch in loaded.select_columns([source.text_field]).iter(batch_size=BATCH_ROWS):
+    rows = loaded.select_columns([source.text_field])
+    rows = rows.select(range(min(first, len(rows)), len(rows) if end is None else min(end, len(rows))))
+    for batch in rows.iter(batch_size=BATCH_ROWS):
         yield from batch[source.text_field]
 
 
 def streamed_dataset_texts(source: SourceConfig) -> Iterator[str | None]:
     import datasets  # heavy; only hf sources need it
 
-    stream = datasets.load_dataset(source.dataset, split=source.split,
-                                   data_files=source.data_files or None, streaming=True)
+    name, first, end = source.split_rows  # a stream takes no slice in its split name: skip and take
+    stream = datasets.load_dataset(source.dataset, split=name, data_files=source.data_files or None,
+                                   streaming=True)
     if stream.column_names is not None:  # known from the builder's features: checked before reading
         check_column(source, stream.column_names)
         stream = stream.select_columns([source.text_field])  # the others are not decoded
+    if first:
+        stream = stream.skip(first)
+    if end is not None:
+        stream = stream.take(end - first)
     for row in stream:
         check_column(source, row.keys())  # a stream without features has its columns in its rows
         yield row[source.text_field]

@@ -4,6 +4,7 @@ loading, document boundaries, determinism across worker counts and idempotent re
 
 import gzip
 import json
+import re
 import tracemalloc
 from pathlib import Path
 
@@ -245,6 +246,27 @@ def test_parquet_and_datasets_are_read_in_batches_in_row_order(tmp_path: Path) -
         assert [doc.data for doc in docs] == expected
         assert [(doc.source, doc.name, doc.size) for doc in docs] == [
             ("ds", f"ds#{number}", len(data)) for number, data in enumerate(expected)]
+
+
+@pytest.mark.parametrize(("split", "rows"), [("train[:7]", slice(0, 7)), ("train[5:9]", slice(5, 9)),
+                                             ("train[3:]", slice(3, None)), ("train[:500]", slice(0, None))])
+def test_a_split_slice_reads_those_rows_of_a_saved_or_streamed_dataset(tmp_path: Path, split: str,
+                                                                       rows: slice) -> None:
+    texts = [f"document {number}" for number in range(12)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts})}).save_to_disk(
+        str(tmp_path / "saved"))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    for source in ({"path": str(tmp_path / "saved")},
+                   {"dataset": "json", "data_files": [str(tmp_path / "docs.jsonl")]}):
+        docs = read_all(kind="hf", name="ds", split=split, **source)
+        assert [doc.data.decode() for doc in docs] == texts[rows]
+
+
+@pytest.mark.parametrize(("split", "why"), [
+    ("train[:10%]", "not percentages"), ("train[5:5]", "holds no row"), ("train[a:b]", "a slice of rows")])
+def test_a_split_it_cannot_stream_is_refused_with_the_config(split: str, why: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(why)):
+        SourceConfig(kind="hf", dataset="json", split=split)
 
 
 @pytest.mark.parametrize("kind", ["parquet", "saved"])
