@@ -151,8 +151,8 @@ def check_parquet(path: SourceFile, text_field: str) -> None:
 def source_stamp(source: SourceConfig) -> str | None:
     """A sha256 of the path, size and modification time (an object's ETag) of every file the
     source reads: while it is unchanged, so are the source's documents, and the snapshot need
-    not read them again. None where there is no such stamp (a dataset by name, an object store
-    without ETags)."""
+    not read them again. None where there is no such stamp (a dataset by name from the hub, a
+    builder's remote `data_files`, an object store without ETags)."""
     if source.kind == "shakespeare":
         files: list[SourceFile] = shakespeare_plays()
     elif source.kind == "stdlib":
@@ -161,6 +161,9 @@ def source_stamp(source: SourceConfig) -> str | None:
         files = matching_files(source.path)
     elif source.path:
         files = sorted(path for path in Path(source.path).rglob("*") if path.is_file())
+    elif source.data_files and not any(is_url(pattern) for pattern in source.data_files):
+        # A packaged builder (json, parquet, csv) over local files: what it reads is those files.
+        files = sorted({path for pattern in source.data_files for path in matching_files(pattern)})
     else:
         return None
     digest = hashlib.sha256()

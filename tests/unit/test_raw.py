@@ -123,6 +123,23 @@ def test_a_source_whose_files_are_unchanged_is_not_read_again(tmp_path: Path,
     assert read == ["odd files"] * 2 + ["odd files", "shakespeare"]
 
 
+def test_a_dataset_builder_over_unchanged_local_files_is_not_read_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": text}) + "\n" for text in SCENES[:40]))
+    sources = [{"kind": "hf", "dataset": "json", "data_files": [str(docs)], "name": "builder"}]
+    cfg = debug_config(tmp_path, f"data.sources={json.dumps(sources)}")
+    take_snapshot(cfg)
+    read = []
+    original = snapshot.read_source
+    monkeypatch.setattr(snapshot, "read_source", lambda source, max_chars: read.append(source.label)
+                        or original(source, max_chars))
+    assert not take_snapshot(cfg).written and read == []
+    docs.write_text(docs.read_text() + json.dumps({"text": SCENES[40]}) + "\n")
+    assert take_snapshot(cfg).written and read == ["builder"]
+    assert len(load_snapshot(cfg.data)) == 41
+
+
 def recompressed(data: bytes, members: list[dict], level: int) -> tuple[bytes, list[dict]]:
     """A snapshot file's members compressed again at `level`, with their new places."""
     out, placed = b"", []
