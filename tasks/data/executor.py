@@ -216,8 +216,11 @@ def local_cluster(num_workers: int) -> object:
         # Dask's default MALLOC_TRIM_THRESHOLD_=65536 for its workers also pins glibc's mmap
         # threshold at 128 KiB (set explicitly, it no longer adapts): every larger block -- a
         # document, an array -- is mapped and unmapped anew. Cleaning took 14 % longer than in a
-        # forked pool worker. The nannies read it when created, so restarted workers keep this.
-        with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+        # forked pool worker. Nor do the workers sample their task's stack every 10 ms for a
+        # dashboard this cluster does not have. The nannies take both when created, so restarted
+        # workers keep them.
+        with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+                              "distributed.worker.profile.enabled": False}):
             cluster = LocalCluster(n_workers=num_workers, threads_per_worker=1, processes=True,
                                    host="127.0.0.1", dashboard_address=None, silence_logs=logging.WARNING,
                                    env=WORKER_ENV)

@@ -16,6 +16,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+import dask
 import psutil
 import pytest
 from distributed import Client
@@ -87,10 +88,12 @@ def test_output_is_byte_identical_across_executors_workers_and_partitions(
         assert f"partition work on the Dask cluster at {address}\n" in caplog.text
         with Client(address, set_as_default=False) as client:
             environs = client.run(lambda: dict(os.environ)).values()
+            profiling = client.run(lambda: dask.config.get("distributed.worker.profile.enabled")).values()
         for worker_environ in environs:
             assert {k: worker_environ.get(k) for k in data_executor.WORKER_ENV} == data_executor.WORKER_ENV
             # Dask's default would pin glibc's mmap threshold: cleaning 14 % slower than the pool.
             assert "MALLOC_TRIM_THRESHOLD_" not in worker_environ
+        assert not any(profiling)
 
 
 # -- a real cluster: `dask scheduler` and `dask worker` processes on 127.0.0.1 --------------------
