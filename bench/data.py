@@ -26,8 +26,8 @@ with its name and weight. `--every N` keeps every Nth file of each source.
    cost, which 3. reports), so the CPU seconds -- the tree's user + system time -- are the
    corpus's. Goals: the peak RSS sum grows <= 10 % from 1x to 4x; input MB (and documents) per
    CPU second within 15 % of the 1x figure.
-2. 2 Dask workers / 1 (data.num_workers), 1x corpus: wall time of `build_from_snapshot` from one
-   snapshot taken before; goal >= 1.7 on 2 cores.
+2. 2 Dask workers / 1 (data.num_workers), 1x corpus (`--executors-scale`): wall time of
+   `build_from_snapshot` from one snapshot taken before; goal >= 1.7 on 2 cores.
 3. local Dask / pool (data.executor, 2 workers each), the same build: goal >= 0.9. For 2. and 3.
    each executor builds twice in one fresh process: "cold" is the first build, which for Dask
    also starts the local cluster; "warm" the second, on the running cluster (the pool forks its
@@ -456,13 +456,13 @@ def scaling(corpus: Path, sources: list[SourceConfig], scales: list[int], rounds
     }
 
 
-def executors(corpus: Path, sources: list[SourceConfig], rounds: int, scratch: Path) -> dict:
-    """2. and 3.: build_from_snapshot of the 1x corpus by each executor, cold then warm, in a
-    fresh process per executor and round."""
+def executors(corpus: Path, sources: list[SourceConfig], rounds: int, scratch: Path, scale: int) -> dict:
+    """2. and 3.: build_from_snapshot of the `scale`-times corpus by each executor, cold then warm,
+    in a fresh process per executor and round."""
     from forgeline.tasks.data.snapshot import take_snapshot
 
     raw_dir = scratch / "raw-shared"
-    corpus_override = scaled_sources(corpus, sources, 1)
+    corpus_override = scaled_sources(corpus, sources, scale)
     take_snapshot(load_config(CORPUS_CONFIG, [corpus_override, f"data.raw_dir={raw_dir}"]))
     runs: dict[str, list[dict]] = {name: [] for name in EXECUTORS}
     names = list(EXECUTORS)
@@ -484,6 +484,7 @@ def executors(corpus: Path, sources: list[SourceConfig], rounds: int, scratch: P
     phases = {name: {when: measured[0]["builds"][n]["phases_s"] for n, when in enumerate(("cold", "warm"))}
               for name, measured in runs.items()}
     return {
+        "corpus_scale": scale,
         "build_s": best,
         "build_cpu_s": cpu,
         "load_average_1min_before": {name: [run["load_average_1min_before"] for run in measured]
@@ -565,6 +566,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--scales", type=int, nargs="+", default=[1, 2, 4], help="corpus sizes, ascending")
     parser.add_argument("--every", type=int, default=1, help="keep every Nth file of each source")
+    parser.add_argument("--executors-scale", type=int, default=1,
+                        help="the corpus size of 2. and 3., one of --scales")
     parser.add_argument("--config", default="tiny-single.yaml", help="(b)'s training config")
     parser.add_argument("--steps", type=int, default=40, help="(b)'s training steps")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # the measuring process's spec
@@ -575,6 +578,8 @@ def main() -> None:
         args.every, args.scales, args.rounds, args.steps = 4, [1, 2], 1, 20
     if args.scales != sorted(set(args.scales)) or not 1 <= args.scales[0] <= args.scales[-1] <= 10:
         parser.error(f"--scales {args.scales}: distinct corpus sizes from 1 to 10, ascending")
+    if args.executors_scale not in args.scales:
+        parser.error(f"--executors-scale {args.executors_scale}: one of --scales {args.scales}")
     if not CORPUS_ROOT.is_dir():
         sys.exit(f"no corpus under {CORPUS_ROOT}: run `make corpus` first (configs/{CORPUS_CONFIG})")
     load_before = os.getloadavg()[0]
@@ -589,7 +594,7 @@ def main() -> None:
         print("1. and 4.: the stage at each corpus size", file=sys.stderr, flush=True)
         results["scaling"] = scaling(corpus, sources, args.scales, args.rounds, workdir)
         print("2. and 3.: executors and workers", file=sys.stderr, flush=True)
-        results["executors"] = executors(corpus, sources, args.rounds, workdir)
+        results["executors"] = executors(corpus, sources, args.rounds, workdir, args.executors_scale)
         print("(b) the loader", file=sys.stderr, flush=True)
         results["loader"] = loader(args.config, args.steps, workdir / "loader")
     results["wall_s"] = round(time.perf_counter() - started)
