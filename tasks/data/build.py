@@ -145,7 +145,7 @@ def build_from_snapshot(cfg: Config) -> DataResult:
         plan = w.Plan(work_dir=str(tmp / ".work"), raw_dir=dcfg.raw_dir, cleaning=dcfg.cleaning,
                       labels=tuple(source.label for source in dcfg.sources),
                       weights=tuple(source.weight for source in dcfg.sources), val_fraction=dcfg.val_fraction,
-                      buckets=dedup_buckets(members, dcfg, num_workers), ranges=len(partitions),
+                      buckets=dedup_buckets(members, dcfg, num_workers),
                       partition_firsts=tuple(p[0].first for p in partitions))
         Path(plan.work_dir, "tokens").mkdir(parents=True)
         stats = {source.label: source_entry(source) for source in dcfg.sources}

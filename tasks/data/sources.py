@@ -285,8 +285,7 @@ def saved_dataset_texts(source: SourceConfig) -> Iterator[str | None]:
         loaded = loaded[name]
     check_column(source, loaded.column_names)
     rows = loaded.select_columns([source.text_field])
-    rows = rows.select(range(min(first, len(rows)), len(rows) if end is None else min(end, len(rows))))
-    for batch in rows.iter(batch_size=BATCH_ROWS):
+    for batch in rows.select(range(len(rows))[first:end]).iter(batch_size=BATCH_ROWS):
         yield from batch[source.text_field]
 
 

@@ -60,8 +60,13 @@ class Plan:
     weights: tuple[float, ...]
     val_fraction: float
     buckets: int  # reducers of the dedup shuffle
-    ranges: int  # ranges of the mixing key: pieces of the training order
     partition_firsts: tuple[int, ...]  # the first document of each partition
+
+    @property
+    def ranges(self) -> int:
+        """Ranges of the mixing key, the pieces of the training order: one per partition, so a
+        range holds about a partition's training text."""
+        return len(self.partition_firsts)
 
     def partition_dir(self, number: int) -> Path:
         return Path(self.work_dir) / f"partition-{number:06d}"

@@ -214,7 +214,7 @@ def partitioned_decisions(cfg: Config, work_dir: Path, buckets: int) -> tuple[in
     partitions = partition_members(snapshot_members(dcfg), dcfg.partition_mb)
     plan = w.Plan(work_dir=str(work_dir), raw_dir=dcfg.raw_dir, cleaning=dcfg.cleaning,
                   labels=tuple(s.label for s in dcfg.sources), weights=tuple(s.weight for s in dcfg.sources),
-                  val_fraction=dcfg.val_fraction, buckets=buckets, ranges=len(partitions),
+                  val_fraction=dcfg.val_fraction, buckets=buckets,
                   partition_firsts=tuple(p[0].first for p in partitions))
     with PoolExecutor(dcfg.num_workers) as executor:
         executor.map("clean", w.clean_partition, [w.PartitionWork(n, tuple(members), plan)
