@@ -9,10 +9,18 @@ overwritten.
 
 One training attempt writes under a root at a time: each manager claims the root for a new
 generation (rank 0 writes a fresh token to `.generation`, every rank learns it), checks the file
-still holds its token before every save and before the commit, and records it in the manifest.
-A rank that outlived its launcher while a retry took over (a later generation) therefore stops
-with StaleGenerationError instead of committing over the retry's steps. A finished attempt
-releases the root (`close`).
+still holds its token before every save, and records it in the manifest. A rank that outlived its
+launcher while a retry took over (a later generation) therefore stops with StaleGenerationError
+instead of committing over the retry's steps. What changes the root -- a claim (with its removal
+of partial saves), a commit's rename, a prune, a release -- happens under an flock of
+`.generation.lock`, and a commit, prune or release checks the token under that same lock: no claim
+can land between the check and the act. A finished attempt releases the root (`close`).
+
+The lock fences processes of one machine, and those of several on a shared file system whose
+flock reaches every client (NFS with locking, whose Linux client maps flock to POSIX locks; Lustre
+mounted `-o flock`); with node-local locks (NFS `nolock`, Lustre `localflock`) only the token
+check is left. The persistent tier (tiers.py) is a copy: it takes only checkpoints committed here,
+never overwrites one it holds, and a copy is verified against its manifest when it is pulled.
 
 State is saved under constant top-level keys -- "model", "optim", "train", "rng" -- through
 `get_state_dict`-style helpers, so any parallel layout can load it (and eval can load just
@@ -21,6 +29,7 @@ State is saved under constant top-level keys -- "model", "optim", "train", "rng"
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -30,7 +39,9 @@ import shutil
 import time
 import uuid
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +70,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "forgeline-checkpoint.json"
 GENERATION_NAME = ".generation"  # the token of the one training attempt that may write here
+GENERATION_LOCK_NAME = ".generation.lock"  # held while the root changes hands or a checkpoint changes
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -75,17 +87,28 @@ class StaleGenerationError(CheckpointError):
     """A later training attempt owns the checkpoint root: this one must not write to it."""
 
 
+@contextmanager
+def generation_lock(root: Path) -> Iterator[None]:
+    """Hold `root`'s lock (blocking): a generation check made under it stays true until it is
+    released. On a file of its own (`.generation` is a new file after every claim), opened for
+    writing: NFS emulates flock with a POSIX lock, which needs that."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / GENERATION_LOCK_NAME, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock, also when the process dies
+
+
 def claim_generation(root: Path, rank: int) -> str:
     """Collective: make this training attempt the one that may write under `root`; its token."""
     token = [uuid.uuid4().hex if rank == 0 else None]
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        staged = root / f"{GENERATION_NAME}.{token[0]}"
-        staged.write_text(token[0])
-        os.replace(staged, root / GENERATION_NAME)
-        fsync_path(root)
-        for partial in root.glob(".step-*.partial"):  # left by a crash mid-save, or by a stale attempt
-            shutil.rmtree(partial, ignore_errors=True)
+        with generation_lock(root):
+            staged = root / f"{GENERATION_NAME}.{token[0]}"
+            staged.write_text(token[0])
+            os.replace(staged, root / GENERATION_NAME)
+            fsync_path(root)
+            for partial in root.glob(".step-*.partial"):  # left by a crash mid-save, or by a stale attempt
+                shutil.rmtree(partial, ignore_errors=True)
     dist.broadcast_object_list(token, src=0)
     return token[0]
 
@@ -102,8 +125,9 @@ def release_generation(root: Path, token: str) -> None:
     """Remove the claim of generation `token` on `root`, if it still holds it: a finished attempt
     leaves the train stage's output as it found it (a resume with nothing left to train changes
     nothing)."""
-    if generation_owner(root) == token:
-        (root / GENERATION_NAME).unlink()
+    with generation_lock(root):
+        if generation_owner(root) == token:
+            (root / GENERATION_NAME).unlink()
 
 
 def check_generation(root: Path, token: str) -> None:
@@ -387,7 +411,18 @@ class CheckpointManager:
                  pending.blocked_s, time.perf_counter() - pending.started)
 
     def _commit(self, pending: _InFlight) -> None:
-        check_generation(self.root, self.generation)
+        try:
+            check_generation(self.root, self.generation)  # early: a stale rank hashes nothing
+            self._write_manifest(pending)
+            with generation_lock(self.root):  # the rename commits: no claim can come between check and it
+                check_generation(self.root, self.generation)
+                os.replace(pending.partial, pending.final)
+                fsync_path(self.root)
+        except StaleGenerationError:
+            shutil.rmtree(pending.partial, ignore_errors=True)  # this attempt's alone (its name)
+            raise
+
+    def _write_manifest(self, pending: _InFlight) -> None:
         files = {
             str(p.relative_to(pending.partial)): sha256_file(p)
             for p in sorted(pending.partial.rglob("*")) if p.is_file()
@@ -401,15 +436,15 @@ class CheckpointManager:
         for name in files:
             fsync_path(pending.partial / name)
         fsync_path(pending.partial)
-        check_generation(self.root, self.generation)  # as late as it can be: the rename commits
-        os.replace(pending.partial, pending.final)
-        fsync_path(self.root)
 
     def _prune(self) -> None:
-        """Keep the newest `keep_last`, and every `keep_every`-th step for good."""
-        for info in committed_checkpoints(self.root)[self.cfg.keep_last:]:
-            if not (self.cfg.keep_every and info.step % self.cfg.keep_every == 0):
-                shutil.rmtree(info.path)
+        """Keep the newest `keep_last`, and every `keep_every`-th step for good -- while this
+        attempt owns the root: a stale one must not remove what the retry resumes from."""
+        with generation_lock(self.root):
+            check_generation(self.root, self.generation)
+            for info in committed_checkpoints(self.root)[self.cfg.keep_last:]:
+                if not (self.cfg.keep_every and info.step % self.cfg.keep_every == 0):
+                    shutil.rmtree(info.path)
 
 
 def describe_save_failure(err: BaseException) -> str:

@@ -3,7 +3,11 @@ fsspec URL (file://, s3://, ...) in the background, and pulled back when the loc
 gone (a new node, a wiped disk).
 
 A copy is committed the same way a local checkpoint is: its manifest is uploaded last, so a
-directory without a manifest -- an upload cut short -- is never pulled.
+directory without a manifest -- an upload cut short -- is never pulled. Like a local one, a
+committed copy is never overwritten: an upload of a step the tier holds already (another
+training attempt's, on another node) is skipped. The tier has no lock: two uploads of one step at
+the same moment can mix their files, and such a copy fails its manifest's sha256 check when
+pulled and is skipped.
 """
 
 from __future__ import annotations
@@ -83,6 +87,11 @@ class PersistentTier:
 
     def _upload(self, checkpoint: Path) -> None:
         target = f"{self.root}/{checkpoint.name}"
+        self.fs.invalidate_cache(target)  # another process may have uploaded it
+        if self.fs.exists(f"{target}/{self.manifest_name}"):
+            log.warning("not uploading %s: %s holds a committed copy of it already (another training "
+                        "attempt's), which is never overwritten", checkpoint, target)
+            return
         files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
         for path in sorted(files, key=lambda p: p.name == self.manifest_name):  # manifest last
             destination = f"{target}/{path.relative_to(checkpoint)}"
