@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from forgeline.configs.redaction import URL_PASSWORD
+from forgeline.configs.redaction import url_credential
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -40,14 +40,13 @@ class Section(BaseModel):
 
     @field_validator("*")
     @classmethod
-    def _holds_no_url_password(cls, value: Any, info: ValidationInfo) -> Any:
+    def _holds_no_url_credential(cls, value: Any, info: ValidationInfo) -> Any:
         """Prefect stores a flow run's config as given, shows it and sends it to its server; a
-        password goes where the library that needs it reads it instead."""
+        password, token or signature goes where the library that needs it reads it instead."""
         for text in _strings(value):
-            if URL_PASSWORD.search(text):
-                raise ValueError(f"the URL holds a password (its `user:password@` part), which Prefect would "
-                                 f"store in plain text with the flow run; remove it and "
-                                 f"{_credential_hint(info.field_name, text)}")
+            if credential := url_credential(text):
+                raise ValueError(f"the URL holds {credential}, which Prefect would store in plain text with "
+                                 f"the flow run; remove it and {_credential_hint(info.field_name, text)}")
         return value
 
 
@@ -67,7 +66,7 @@ def _credential_hint(field: str | None, url: str) -> str:
         return ("give MLflow a server's login in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
                 "MLFLOW_TRACKING_TOKEN), or leave registry.tracking_uri unset and put the whole URI, a "
                 "database's included, in $MLFLOW_TRACKING_URI")
-    if urlsplit(url).scheme in ("s3", "s3a"):
+    if urlsplit(url).scheme in ("s3", "s3a") or "x-amz-" in url.lower():  # a presigned URL's too
         return ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment, and "
                 "AWS_ENDPOINT_URL for S3-compatible storage")
     return ("give it to the library that opens the URL through the environment or its config files (an "
@@ -652,7 +651,9 @@ class TrainConfig(Section):
     in-job restarts are used up; each resumes into the same MLflow run."""
 
     timeout_s: PositiveInt = 3600
-    """Wall-clock limit of the torchrun job; on expiry its whole process group is killed."""
+    """Wall-clock limit of the torchrun job; on expiry its whole process group is killed. Under
+    parallel.launcher=slurm: of the Slurm job from its submission (queue wait included); on
+    expiry it is cancelled."""
 
     hang_timeout_s: int = Field(600, ge=0)
     """A rank that makes no step progress for this long dumps every thread's stack and exits,
@@ -800,8 +801,10 @@ class RegistryConfig(Section):
     same items, is at least this (negative values tolerate a small loss)."""
 
     max_dimension_regression: float = Field(0.05, ge=0)
-    """Promotion gate: ... and no dimension is worse than the champion's by more than this with
-    95 % confidence (the upper bound of its paired difference's interval below -this)."""
+    """Promotion gate, in a trade-off (another dimension significantly better): no dimension is
+    worse than the champion's by more than this with 95 % confidence (the upper bound of its
+    paired difference's interval below -this). Without a significantly better dimension, any
+    significantly worse one rejects, whatever this."""
 
 
 class SlurmConfig(Section):
@@ -831,6 +834,10 @@ class SlurmConfig(Section):
 
     poll_s: PositiveFloat = 2.0
     """How often the stage asks Slurm for the job's state and reads its output."""
+
+    controller_timeout_s: PositiveFloat = 300.0
+    """How long the stage goes on asking a Slurm controller that does not answer (`scontrol`
+    fails: a restart, a failover, an RPC timeout) before it cancels the job and fails."""
 
 
 class OpsConfig(Section):

@@ -1,14 +1,17 @@
 """The train stage on Slurm (parallel.launcher=slurm): one sbatch job of parallel.nnodes nodes, a
 torchrun agent on each (srun, one task per node), their c10d rendezvous on the job's first node.
 The stage submits it, follows it -- its state, and its output file line by line into the stage's
-log (and so Prefect's) -- cancels it when the stage is stopped (Ctrl-C, a cancelled flow run),
-and reports how it ended. A preempted job (Slurm's `--signal`, a time limit, `scontrol requeue`)
-saves its step (model/training/preemption.py) and requeues itself; the next run of the batch
-script resumes from it.
+log (and so Prefect's) -- and reports how it ended. However the stage stops before the job has
+ended (Ctrl-C, a cancelled flow run, a SIGTERM, train.timeout_s, a controller that stays silent
+past slurm.controller_timeout_s, any error), it cancels the job first: a retry must never run
+beside it. A preempted job (Slurm's `--signal`, a time limit, `scontrol requeue`, preemption by
+another job) saves its step (model/training/preemption.py) and requeues itself under the same job
+id, which the stage goes on following; the next run of the batch script resumes from it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shlex
@@ -22,11 +25,21 @@ from pathlib import Path
 from forgeline.configs import Config
 from forgeline.tasks.train.launch import LaunchError
 
-# Job states after which the job runs no more (squeue's and scontrol's names).
+# Job states after which the job runs no more (squeue's and scontrol's names) -- but for PREEMPTED
+# with --requeue, which Slurm shows until the job's steps are gone and it is requeued.
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE", "PREEMPTED", "SPECIAL_EXIT"}
+# A requeueable job that stays PREEMPTED longer than train.preemption_grace_s (its steps' time to
+# save; KillWait should match it) plus this margin was not requeued: that is its end.
+REQUEUE_MARGIN_S = 60.0
+# Bound on one scontrol or scancel call (they retry a silent controller themselves).
+COMMAND_TIMEOUT_S = 60.0
 # Rendezvous host and port, from the environment of the batch script.
 RDZV = "--rdzv-endpoint=$FORGELINE_RDZV_HOST:$FORGELINE_RDZV_PORT"
+
+
+class ControllerSilent(RuntimeError):
+    """scontrol got no answer about the job from the Slurm controller."""
 
 
 @dataclass(frozen=True)
@@ -81,21 +94,22 @@ def batch_script(cfg: Config, agent_args: Sequence[str], output: Path, preemptio
 def run_slurm_job(cfg: Config, agent_args: Sequence[str], env: Mapping[str, str], job_dir: Path,
                   preemption_record: Path, logger: logging.Logger,
                   on_line: Callable[[str], None] | None = None) -> None:
-    """Submit the job, follow it to its end and raise LaunchError unless it completed."""
+    """Submit the job, follow it to its end and raise LaunchError unless it completed. A job whose
+    end the stage did not see is cancelled before the stage returns or raises."""
     job_dir.mkdir(parents=True, exist_ok=True)
     script = job_dir / "train.sbatch"
     output = job_dir.resolve() / "slurm-%j.out"
     script.write_text(batch_script(cfg, agent_args, output, preemption_record.resolve()))
+    deadline = time.monotonic() + cfg.train.timeout_s
     job_id = submit(script, env)
     output = job_dir.resolve() / f"slurm-{job_id}.out"
     logger.info("submitted Slurm job %s (%d node(s)); its output: %s", job_id, cfg.parallel.nnodes, output)
+    state: JobState | None = None
     try:
-        state = follow(job_id, output, cfg.slurm.poll_s, logger, on_line)
-    except BaseException:  # stopped from here: the ranks get SIGTERM and their grace period to save
-        logger.warning("cancelling Slurm job %s", job_id)
-        subprocess.run(["scancel", job_id], env=env, check=False)
-        wait_for_end(job_id, cfg.train.preemption_grace_s + 30)
-        raise
+        state = follow(job_id, output, cfg, deadline, logger, on_line)
+    finally:
+        if state is None:  # stopped from here: the ranks get SIGTERM and their grace period to save
+            cancel(job_id, env, cfg.train.preemption_grace_s + 30, logger)
     if state.state != "COMPLETED":
         reason = f", {state.reason}" if state.reason not in ("", "None") else ""
         raise LaunchError(f"Slurm job {job_id} ended {state.state} (exit code {state.exit_code}{reason}); "
@@ -110,20 +124,47 @@ def submit(script: Path, env: Mapping[str, str]) -> str:
     return done.stdout.strip().split(";")[0]
 
 
+def cancel(job_id: str, env: Mapping[str, str], wait_s: float, logger: logging.Logger) -> None:
+    """scancel the job and wait (at most `wait_s`) until it has ended."""
+    logger.warning("cancelling Slurm job %s", job_id)
+    try:
+        done = subprocess.run(["scancel", job_id], env=dict(env), capture_output=True, text=True,
+                              timeout=COMMAND_TIMEOUT_S)
+        if "Invalid job id" in done.stderr:
+            return  # the controller has forgotten it: it ended long ago
+        refusal = done.stderr.strip() if done.returncode != 0 else ""
+    except subprocess.TimeoutExpired:
+        refusal = f"no answer within {COMMAND_TIMEOUT_S:.0f} s"
+    if refusal:
+        logger.error("scancel %s failed (%s): the job may still be running -- cancel it yourself "
+                     "(`scancel %s`) before the stage is retried", job_id, refusal, job_id)
+        return
+    wait_for_end(job_id, wait_s)
+
+
 def job_state(job_id: str) -> JobState | None:
-    """The job as the controller knows it; None once it has forgotten it (MinJobAge)."""
-    done = subprocess.run(["scontrol", "show", "job", "--oneliner", job_id], capture_output=True, text=True)
+    """The job as the controller knows it; None once it has forgotten it (MinJobAge). Raises
+    ControllerSilent when the controller does not answer (a restart, a failover, an RPC timeout)."""
+    try:
+        done = subprocess.run(["scontrol", "show", "job", "--oneliner", job_id], capture_output=True,
+                              text=True, timeout=COMMAND_TIMEOUT_S)
+    except subprocess.TimeoutExpired as err:
+        raise ControllerSilent(f"scontrol gave no answer within {COMMAND_TIMEOUT_S:.0f} s") from err
     if done.returncode != 0:
-        return None
+        if "Invalid job id" in done.stderr:
+            return None
+        raise ControllerSilent(done.stderr.strip() or f"scontrol exited with code {done.returncode}")
     fields = dict(re.findall(r"(\w+)=(\S*)", done.stdout))
     return JobState(fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "?"),
                     int(fields.get("Restarts", "0")), fields.get("Reason", ""))
 
 
-def follow(job_id: str, output: Path, poll_s: float, logger: logging.Logger,
+def follow(job_id: str, output: Path, cfg: Config, deadline: float, logger: logging.Logger,
            on_line: Callable[[str], None] | None) -> JobState:
-    """Stream the output file until the job has ended; its last state. A requeued job goes
-    back to PENDING and runs again, appending to the same file."""
+    """Stream the output file until the job has ended; its last state. A requeued job (also one
+    shown PREEMPTED first) goes back to PENDING and runs again under the same id, appending to the
+    same file. Raises LaunchError past `deadline` (train.timeout_s) and when the controller stays
+    silent longer than slurm.controller_timeout_s."""
     reader = _LineReader(output)
 
     def forward_new_lines() -> None:
@@ -133,8 +174,26 @@ def follow(job_id: str, output: Path, poll_s: float, logger: logging.Logger,
                 on_line(line)
 
     last: JobState | None = None
+    silent_since: float | None = None  # when scontrol stopped answering
+    preempted_since: float | None = None
+    requeue_wait_s = cfg.train.preemption_grace_s + REQUEUE_MARGIN_S
     while True:
-        state = job_state(job_id)
+        now = time.monotonic()
+        if now > deadline:
+            raise LaunchError(f"Slurm job {job_id} had not ended after train.timeout_s "
+                              f"({cfg.train.timeout_s} s from its submission, queue wait included), so it "
+                              f"is cancelled; raise train.timeout_s if it needs longer. Its output: {output}")
+        try:
+            state = job_state(job_id)
+        except ControllerSilent as err:
+            silent_since = _note_silence(job_id, err, silent_since, now, cfg.slurm.controller_timeout_s,
+                                         logger)
+            forward_new_lines()
+            time.sleep(cfg.slurm.poll_s)
+            continue
+        if silent_since is not None:
+            logger.info("the Slurm controller answers again after %.0f s", now - silent_since)
+            silent_since = None
         forward_new_lines()
         if state is None:
             if last is None:
@@ -144,19 +203,41 @@ def follow(job_id: str, output: Path, poll_s: float, logger: logging.Logger,
             logger.info("Slurm job %s: %s%s", job_id, state.state,
                         f" (requeued {state.restarts}x)" if state.restarts else "")
         last = state
-        if state.state in ENDED:
-            time.sleep(poll_s)  # the last lines may land after the state changed
+        if state.state != "PREEMPTED":
+            preempted_since = None
+        elif preempted_since is None:
+            preempted_since = now
+        awaiting_requeue = cfg.slurm.requeue and preempted_since is not None \
+            and now - preempted_since < requeue_wait_s
+        if state.state in ENDED and not awaiting_requeue:
+            time.sleep(cfg.slurm.poll_s)  # the last lines may land after the state changed
             forward_new_lines()
             return state
-        time.sleep(poll_s)
+        time.sleep(cfg.slurm.poll_s)
+
+
+def _note_silence(job_id: str, err: ControllerSilent, silent_since: float | None, now: float,
+                  timeout_s: float, logger: logging.Logger) -> float:
+    """When the controller's silence began; LaunchError once it has lasted `timeout_s`."""
+    if silent_since is None:
+        logger.warning("the Slurm controller does not answer about job %s (%s); asking again for up to "
+                       "%.0f s (slurm.controller_timeout_s)", job_id, err, timeout_s)
+        return now
+    if now - silent_since > timeout_s:
+        raise LaunchError(f"the Slurm controller did not answer about job {job_id} for "
+                          f"{now - silent_since:.0f} s (slurm.controller_timeout_s = {timeout_s:.0f}): "
+                          f"{err}. The job is cancelled; raise slurm.controller_timeout_s if the "
+                          "controller takes longer to fail over")
+    return silent_since
 
 
 def wait_for_end(job_id: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        state = job_state(job_id)
-        if state is None or state.state in ENDED:
-            return
+        with contextlib.suppress(ControllerSilent):  # not known to have ended: ask again
+            state = job_state(job_id)
+            if state is None or state.state in ENDED:
+                return
         time.sleep(1)
 
 
