@@ -10,6 +10,13 @@ in order. What a process leaves unsent when it ends (the store never came back) 
 next `forgeline sync`, which replays every file no live writer holds (a writer keeps an flock on
 its file).
 
+A run's directory goes once everything in it is sent (`discard_sent`), and never from under a
+writer: every writer holds a shared flock on the directory's `.writers.lock` from before it
+creates its file until it closes, the removal takes that lock exclusively and each file's lock,
+and checks under them that all is sent. A writer that finds the directory removed while it waited
+makes it anew. A file without its header (its writer killed between creating it and writing the
+header) holds no write: it is skipped, and removed with its directory.
+
 Replay is idempotent, so a record sent twice (the store committed it, the answer was lost) is
 recorded once: MLflow keeps one metric per (key, value, timestamp, step) -- the timestamp is
 taken when the write is spooled, not when it is sent -- logging a param again with its value is a
@@ -21,6 +28,7 @@ Imports nothing of forgeline: the rank program, the in-training evaluation and t
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import json
@@ -33,7 +41,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +52,7 @@ FLUSH_ENV = "FORGELINE_TRACKING_FLUSH_S"
 # MLflow's limits per log_batch request.
 MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0
+WRITERS_LOCK_NAME = ".writers.lock"  # in a run's spool directory: shared by its live writers
 _SPOOL_NUMBERS = itertools.count()
 # Answers that resending cannot change: the record is rejected, not retried.
 PERMANENT_ERRORS = frozenset({"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE",
@@ -60,11 +69,8 @@ class TrackingSpool:
         self.tracking_uri = tracking_uri
         self.wait_s = wait_s
         self.dir = Path(root) / run_id
-        self.dir.mkdir(parents=True, exist_ok=True)
-        # One file per spool, also of a run a process opens again (a Prefect retry in the same process).
-        self.path = self.dir / f"{writer}-{socket.gethostname()}-{os.getpid()}-{next(_SPOOL_NUMBERS)}.jsonl"
-        self._file = self.path.open("a")
-        fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives
+        self._dir_lock = _join_run_dir(self.dir)  # held until close: the directory stays
+        self.path, self._file = _new_spool_file(self.dir, f"{writer}-{socket.gethostname()}-{os.getpid()}")
         self._cond = threading.Condition()
         self._pending: deque[tuple[int, dict]] = deque()
         self._written = self._sent = 0
@@ -143,7 +149,8 @@ class TrackingSpool:
             log.warning("tracking store %s: %d write(s) of run %s not sent (%s); they are kept in %s -- "
                         "`forgeline sync` sends them once the store answers", self.tracking_uri, left,
                         self.run_id, "it is down" if down else f"not within {deadline_s:.0f} s", self.path)
-        self._file.close()  # and the lock: sync may take the file over
+        self._file.close()  # and the locks: sync may take the file over
+        self._dir_lock.close()
         return left
 
     # -- internals ------------------------------------------------------------------------------
@@ -235,6 +242,45 @@ class TrackingSpool:
                         self.run_id, self.path, pending)
 
 
+def _join_run_dir(run_dir: Path) -> IO[str]:
+    """The run's spool directory, made if need be, with a shared lock on it held (the returned
+    file): no sync removes the directory until it is closed."""
+    while True:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            lock = open(run_dir / WRITERS_LOCK_NAME, "a+")  # readable: NFS maps a shared flock to a read lock
+        except FileNotFoundError:
+            continue  # a sync removed the directory just now
+        fcntl.flock(lock, fcntl.LOCK_SH)  # waits while a sync is removing the directory
+        if _still_linked(run_dir / WRITERS_LOCK_NAME, lock):
+            return lock
+        lock.close()  # it was removed while this writer waited: make it anew
+
+
+def _new_spool_file(run_dir: Path, stem: str) -> tuple[Path, IO[str]]:
+    """A file of its own for one spool -- also of a run a process opens again (a Prefect retry in
+    the same process), also where a dead process of the same pid left one -- locked for as long
+    as it is open."""
+    while True:
+        path = run_dir / f"{stem}-{next(_SPOOL_NUMBERS)}.jsonl"
+        try:
+            file = path.open("x")
+        except FileExistsError:
+            continue
+        # Waits, rarely: a sync may hold it a moment, finding it without its header yet.
+        fcntl.flock(file, fcntl.LOCK_EX)
+        return path, file
+
+
+def _still_linked(path: Path, file: IO[str]) -> bool:
+    """Whether `path` still names the file open as `file` (no one removed it)."""
+    try:
+        named, held = os.stat(path), os.fstat(file.fileno())
+    except FileNotFoundError:
+        return False
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
 def spool_from_environment(run_id: str, writer: str) -> TrackingSpool:
     """The spool of a process the train stage started: the directory and the store (MLflow's
     MLFLOW_TRACKING_URI) its launcher named in the environment."""
@@ -294,33 +340,48 @@ def _write_count(path: Path, count: int) -> None:
 
 
 def _sent_count(path: Path) -> int:
+    """Records of spool file `path` done with, its header included (a writer killed before it
+    counted the header has still sent nothing else)."""
     try:
-        return int(path.with_name(path.name + ".sent").read_text())
+        return max(int(path.with_name(path.name + ".sent").read_text()), 1)
     except (OSError, ValueError):
-        return 0
+        return 1
 
 
 def read_records(path: Path) -> list[dict]:
-    """The records of a spool file; a last line cut short by a crash is not one."""
+    """The records of a spool file, its header first; a last line cut short by a crash is not
+    one. None at all without a header: its writer died before writing one, or before even that
+    (an empty file), and wrote nothing else -- or the file was removed meanwhile, all sent."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
     records = []
-    for line in path.read_text().splitlines():
+    for line in lines:
         try:
             records.append(json.loads(line))
         except ValueError:
             break
-    return records
+    return records if records and records[0].get("op") == "open" else []
 
 
 def spool_files(root: str | Path, run_id: str = "*") -> Iterator[Path]:
     yield from sorted(Path(root).glob(f"{run_id}/*.jsonl"))
 
 
-def _unheld(path: Path):
-    """The file opened with its writer's lock taken, or None while a live writer holds it."""
-    handle = path.open("a")
+def _unheld(path: Path) -> IO[str] | None:
+    """The file opened with its writer's lock taken, or None while a live writer (or another
+    sync) holds it, or once it is removed."""
+    try:
+        handle = path.open("r+")  # not "a": that would make anew a file removed meanwhile
+    except FileNotFoundError:
+        return None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        handle.close()
+        return None
+    if not _still_linked(path, handle):  # removed while this sync waited for it
         handle.close()
         return None
     return handle
@@ -345,6 +406,8 @@ def replay(root: str | Path, run_id: str = "*", discard: bool = True) -> tuple[i
             continue  # its writer is alive and sends it itself
         with handle:
             records = read_records(path)
+            if not records:
+                continue  # no header, so no write: its writer died creating it
             done = _sent_count(path)
             header = records[0]
             client = MlflowClient(header["tracking_uri"])
@@ -366,15 +429,29 @@ def replay(root: str | Path, run_id: str = "*", discard: bool = True) -> tuple[i
 
 
 def discard_sent(run_dir: Path) -> bool:
-    """Remove a run's spool directory if every file in it is sent and none is held by a writer."""
-    for path in run_dir.glob("*.jsonl"):
-        handle = _unheld(path)
-        if handle is None:
-            return False
-        handle.close()
-        if len(read_records(path)) > _sent_count(path):
-            return False
-    shutil.rmtree(run_dir, ignore_errors=True)
+    """Remove a run's spool directory if no writer is alive in it and every file in it is sent;
+    whether it is gone. Checked and removed under the directory's lock (which every live writer
+    holds shared) and every file's (which a replay holds while it sends it)."""
+    try:
+        dir_lock = open(run_dir / WRITERS_LOCK_NAME, "a+")
+    except FileNotFoundError:
+        return not run_dir.exists()  # removed by another sync
+    with contextlib.ExitStack() as held:
+        held.enter_context(dir_lock)
+        try:
+            fcntl.flock(dir_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a writer is alive
+        if not _still_linked(run_dir / WRITERS_LOCK_NAME, dir_lock):
+            return not run_dir.exists()  # removed by another sync while this one waited
+        for path in run_dir.glob("*.jsonl"):
+            handle = _unheld(path)
+            if handle is None:
+                return False  # a replay is sending it
+            held.enter_context(handle)
+            if len(read_records(path)) > _sent_count(path):
+                return False
+        shutil.rmtree(run_dir, ignore_errors=True)
     return True
 
 

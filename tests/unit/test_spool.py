@@ -5,16 +5,23 @@ what follows."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import shutil
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
 from forgeline.model.spool import SpoolRejected, TrackingSpool, read_records, replay, spooled_metric, unsent
+from forgeline.tasks.tracking import close_tracker, tracker_for
+from tests.conftest import debug_config
 
 
 def closed_port() -> int:
@@ -116,3 +123,115 @@ def test_a_line_cut_short_by_a_crash_is_not_a_record(tmp_path: Path) -> None:
     path = tmp_path / "w.jsonl"
     path.write_text('{"op": "open", "run_id": "r", "tracking_uri": "x"}\n{"op": "batch", "metr')
     assert read_records(path) == [{"op": "open", "run_id": "r", "tracking_uri": "x"}]
+
+
+def files_of_writers_killed_early(run_dir: Path) -> None:
+    """What writers killed early leave: an empty file (killed between creating and locking it),
+    a header cut short, a header whose count (`.sent`) was never written."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "rank1-host-101-0.jsonl").write_text("")
+    (run_dir / "rank2-host-102-0.jsonl").write_text('{"op": "open", "run_id": "r", "track')
+    header = {"op": "open", "run_id": run_dir.name, "tracking_uri": "http://127.0.0.1:1"}
+    (run_dir / "rank3-host-103-0.jsonl").write_text(json.dumps(header) + "\n")
+
+
+def test_sync_passes_over_files_of_writers_killed_before_they_wrote_anything(tmp_path: Path, store) -> None:
+    client, run_id = store
+    files_of_writers_killed_early(tmp_path / "spool" / run_id)
+    spool = TrackingSpool(tmp_path / "spool", run_id, f"http://127.0.0.1:{closed_port()}", "rank0")
+    spool.log_batch([("loss", 1.0, 1000, 1)])
+    spool.close(0.5)
+    [path] = unsent(tmp_path / "spool")  # the others hold no write
+    records = read_records(path)
+    records[0]["tracking_uri"] = client.tracking_uri  # the store is back
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert replay(tmp_path / "spool") == (1, 0)
+    assert client.get_run(run_id).data.metrics == {"loss": 1.0}
+    assert not (tmp_path / "spool" / run_id).exists()  # nothing left to send: the run's spool goes
+
+
+def test_a_closing_run_passes_over_files_of_writers_killed_early(tmp_path: Path, store) -> None:
+    client, run_id = store
+    cfg = debug_config(tmp_path, f"registry.tracking_uri={client.tracking_uri}")
+    files_of_writers_killed_early(Path(cfg.ops.tracking_spool) / run_id)
+    tracker = tracker_for(cfg, run_id, client)
+    tracker.spool.log_batch([("loss", 1.0, 1000, 1)], wait=True)
+    close_tracker(cfg, tracker, finished=True)
+    assert client.get_run(run_id).data.metrics == {"loss": 1.0}
+    assert not (Path(cfg.ops.tracking_spool) / run_id).exists()
+
+
+class Contention:
+    """Notes when any flock has to wait (taken without waiting first, then with)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.waited = threading.Event()
+        real = fcntl.flock
+
+        def flock(fd: object, operation: int) -> None:
+            if operation & (fcntl.LOCK_NB | fcntl.LOCK_UN):
+                return real(fd, operation)
+            try:
+                real(fd, operation | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.waited.set()
+                real(fd, operation)
+
+        monkeypatch.setattr(fcntl, "flock", flock)
+
+
+def test_sync_never_removes_a_spool_from_under_a_writer_that_joins_the_run(
+        tmp_path: Path, store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new writer of the run (a stage starting) creates its file while a sync is removing the
+    run's spool, all sent: the writer waits, and its file survives."""
+    client, run_id = store
+    done = TrackingSpool(tmp_path / "spool", run_id, client.tracking_uri, "rank0")
+    done.log_batch([("loss", 1.0, 1000, 1)], wait=True)
+    done.close(30)
+    contention, joined = Contention(monkeypatch), []
+    real_rmtree = shutil.rmtree
+
+    def rmtree_as_a_writer_joins(path: os.PathLike, *args: object, **kwargs: object) -> None:
+        if not joined:
+            writer = threading.Thread(target=lambda: joined.append(
+                TrackingSpool(tmp_path / "spool", run_id, client.tracking_uri, "stage")))
+            joined.append(writer)
+            writer.start()
+            deadline = time.monotonic() + 30
+            while writer.is_alive() and not contention.waited.is_set():
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree_as_a_writer_joins)
+    replay(tmp_path / "spool")
+    joined[0].join(timeout=30)
+    spool = joined[1]
+    spool.log_batch([("loss", 2.0, 1001, 2)], wait=True)
+    assert spool.path.exists(), "the sync removed the spool file of a live writer"
+    assert spool.close(30) == 0
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2]
+
+
+def test_a_writer_whose_new_file_a_sync_holds_for_a_moment_waits_for_it(
+        tmp_path: Path, store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sync can take a writer's file between its creation and the writer's lock (it finds no
+    header and lets go): the writer waits for the lock instead of failing."""
+    client, run_id = store
+    real = fcntl.flock
+    taken = []
+
+    def flock(fd: object, operation: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd.fileno()}")
+        if path.endswith(".jsonl") and not taken:  # the writer's first lock of its new file
+            sync = open(path, "r+")
+            real(sync, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            taken.append(threading.Timer(0.3, sync.close))
+            taken[0].start()
+        return real(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    spool = TrackingSpool(tmp_path / "spool", run_id, client.tracking_uri, "rank0")
+    spool.log_batch([("loss", 1.0, 1000, 1)], wait=True)
+    assert spool.close(30) == 0 and taken
+    assert client.get_run(run_id).data.metrics == {"loss": 1.0}
