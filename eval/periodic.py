@@ -4,6 +4,11 @@ ranks never wait for it:
 
     python -m forgeline.eval.periodic --checkpoint DIR --data-dir DIR --tasks T [T ...]
         --limit N --run-id ID --step S
+
+Every score comes with its standard error, computed from each item's value as the eval stage
+computes it (eval/scores.py `item_stderr`: closed form for a mean, a seeded bootstrap over the
+items for another aggregation), and named as the eval stage names it on the pipeline's run:
+`eval/<task>/<metric>` beside `eval/stderr/<task>/<metric>`.
 """
 
 from __future__ import annotations
@@ -12,32 +17,57 @@ import argparse
 import logging
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from forgeline.configs.environment import apply_environment_defaults
 from forgeline.model.spool import flush_deadline_s, spool_from_environment
+
+if TYPE_CHECKING:  # lm-eval is imported once main() has applied the environment defaults
+    from lm_eval.api.model import LM
+    from lm_eval.api.task import Task
+    from lm_eval.tasks import TaskManager
 
 log = logging.getLogger("forgeline.eval.periodic")
 
 
 def evaluate_checkpoint(checkpoint: Path, data_dir: Path, tasks: list[str], limit: int | None,
                         batch_size: int) -> dict[str, float]:
-    """`task/metric` -> value for `tasks` on `checkpoint`, named as the eval stage names them."""
+    """`score_tasks` on `checkpoint`."""
     # Imported here, after main() applied the environment defaults lm-eval and datasets read.
-    import lm_eval
     from lm_eval.tasks import TaskManager
 
     from forgeline.eval.lm import ForgelineLM
-    from forgeline.eval.scores import flatten_scores
     from forgeline.eval.suite import render_suite
 
     with tempfile.TemporaryDirectory(prefix="forgeline-periodic-") as scratch:
         task_manager = TaskManager(include_path=str(render_suite(Path(scratch), data_dir)))
         lm = ForgelineLM(checkpoint=str(checkpoint), tokenizer=str(data_dir / "tokenizer"),
                          batch_size=batch_size)
-        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=task_manager,
-                                          log_samples=False, bootstrap_iters=0)
-    return flatten_scores(results["results"])
+        return score_tasks(lm, tasks, limit, task_manager)
+
+
+def score_tasks(lm: LM, tasks: list[str], limit: int | None, task_manager: TaskManager) -> dict[str, float]:
+    """`task/metric` -> value for `tasks` on `lm`, named as the eval stage names them, and
+    `stderr/task/metric` -> its standard error (of every metric of a task that logged two items
+    or more)."""
+    import lm_eval
+    from lm_eval.tasks import get_task_dict
+
+    from forgeline.eval.scores import flatten_scores, item_stderrs
+
+    def leaves(tree: dict) -> Iterator[Task]:  # a group's tasks
+        for node in tree.values():
+            yield from leaves(node) if isinstance(node, dict) else [node]
+
+    task_dict = get_task_dict(tasks, task_manager)
+    aggregations = {task.config.task: task.aggregation() for task in leaves(task_dict)}
+    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=task_manager,
+                                      log_samples=True, bootstrap_iters=0)
+    scores = flatten_scores(results["results"])
+    stderrs = item_stderrs(results["samples"], aggregations)
+    return scores | {f"stderr/{name}": se for name, se in stderrs.items() if name in scores}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,11 +85,24 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     scores = evaluate_checkpoint(args.checkpoint, args.data_dir, args.tasks, args.limit, args.batch_size)
     log_scores(args.run_id, args.step, scores)
-    log.info("step %d: %s", args.step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+    log.info("step %d: %s", args.step, describe(scores))
+
+
+def describe(scores: dict[str, float]) -> str:
+    """Each score, ± the half-width of its 95 % interval where it has a standard error."""
+    from forgeline.eval.scores import Z95
+
+    def interval(name: str) -> str:
+        se = scores.get(f"stderr/{name}")
+        return "" if se is None else f" ± {Z95 * se:.4f}"
+
+    return ", ".join(f"{name} {value:.4f}{interval(name)}" for name, value in scores.items()
+                     if not name.startswith("stderr/"))
 
 
 def log_scores(run_id: str, step: int, scores: dict[str, float]) -> None:
-    """`eval/<task>/<metric>` metrics of the training run at `step`, through the tracking spool."""
+    """`eval/<task>/<metric>` and `eval/stderr/<task>/<metric>` metrics of the training run at
+    `step`, through the tracking spool."""
     now = int(time.time() * 1000)
     spool = spool_from_environment(run_id, f"eval-step{step}")
     spool.log_batch([(f"eval/{k}", v, now, step) for k, v in scores.items()])

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from lm_eval.api.metrics import bits_per_byte
+from lm_eval.api.metrics import bits_per_byte, mean
 
 from forgeline.eval.dimensions import TaskScore
 from forgeline.eval.tasks.forgeline_safety import icat
 
 AGGREGATIONS = {"mean": statistics.fmean, "bits_per_byte": bits_per_byte, "icat": icat}
+MEANS = (statistics.fmean, mean)  # forgeline's and lm-eval's: aggregations with a closed-form error
 BOOTSTRAP_ITERS = 1000
 Z95 = 1.959964
 Z80_POWER = 0.841621  # the one-sided normal quantile of 80 % power
@@ -51,13 +52,18 @@ class TaskItems:
 
     def stderr(self, score: TaskScore) -> float | None:
         """None for fewer than two items."""
-        n = len(self.values)
-        if n < 2:
-            return None
-        if score.aggregation == "mean":
-            return statistics.stdev(self.values) / math.sqrt(n)
-        aggregate_values = AGGREGATIONS[score.aggregation]
-        return bootstrap_stderr(lambda picked: aggregate_values([self.values[i] for i in picked]), n)
+        return item_stderr(self.values, AGGREGATIONS[score.aggregation])
+
+
+def item_stderr(values: list[Any], aggregate: Callable[[list[Any]], float]) -> float | None:
+    """The standard error of `aggregate` over items with these values: std / sqrt(n) for a mean,
+    a seeded bootstrap over the items for another aggregation; None for fewer than two items."""
+    n = len(values)
+    if n < 2:
+        return None
+    if aggregate in MEANS:
+        return statistics.stdev(values) / math.sqrt(n)
+    return bootstrap_stderr(lambda picked: aggregate([values[i] for i in picked]), n)
 
 
 def bootstrap_stderr(statistic: Callable[[np.ndarray], float], n: int) -> float:
@@ -157,9 +163,33 @@ def flatten_scores(results: dict[str, dict]) -> dict[str, float]:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 continue
-            name = f"{task}/{metric}" if flt == "none" else f"{task}/{metric}/{flt}"
-            flat[name] = float(value)
+            flat[score_name(task, metric, flt)] = float(value)
     return flat
+
+
+def item_stderrs(samples: dict[str, list[dict]], aggregations: dict[str, dict[str, Callable]]
+                 ) -> dict[str, float]:
+    """`task/metric` (as flatten_scores names it) -> the standard error of every metric of every
+    task, from lm-eval's logged items (simple_evaluate(log_samples=True)) and the function each
+    task aggregates the metric with (Task.aggregation()); one per filter, none under two items."""
+    stderrs = {}
+    for task, rows in samples.items():
+        for metric, aggregate in aggregations[task].items():
+            values: dict[str, list] = {}
+            for row in rows:
+                if metric in row:
+                    values.setdefault(row["filter"], []).append(row[metric])
+            for filter_name, items in values.items():
+                se = item_stderr(items, aggregate)
+                if se is not None:
+                    stderrs[score_name(task, metric, filter_name)] = se
+    return stderrs
+
+
+def score_name(task: str, metric: str, filter_name: str) -> str:
+    """How forgeline names lm-eval's `metric,filter` of `task`: `task/metric`, the filter added
+    when it is not `none`."""
+    return f"{task}/{metric}" if filter_name == "none" else f"{task}/{metric}/{filter_name}"
 
 
 def normalized(value: float, score: TaskScore) -> float:

@@ -259,8 +259,8 @@ class WatchdogCallback(Callback):
 class InTrainingEvalCallback(Callback):
     """Every `every_steps`, once that step's checkpoint is committed, global rank 0 starts
     `python -m forgeline.eval.periodic` on it in the background; it logs `eval/<task>/<metric>`
-    into the training run at that step. One evaluation runs at a time (later steps queue); the
-    end of training waits for them."""
+    and its standard error `eval/stderr/<task>/<metric>` into the training run at that step. One
+    evaluation runs at a time (later steps queue); the end of training waits for them."""
 
     cfg: InTrainingEvalConfig
     checkpoint_root: Path

@@ -99,3 +99,6 @@ def test_in_training_evaluation_logs_scores_at_its_steps(data_root: Path, tmp_pa
     history = client.get_metric_history(run.info.run_id, "eval/forgeline_heldout/bits_per_byte")
     assert sorted(m.step for m in history) == [10, 20]
     assert all(0 < m.value < 16 for m in history)
+    stderrs = client.get_metric_history(run.info.run_id, "eval/stderr/forgeline_heldout/bits_per_byte")
+    assert sorted(m.step for m in stderrs) == [10, 20]
+    assert all(0 < m.value < 1 for m in stderrs)  # the 3 documents score apart, by a fraction of a bit
