@@ -1,34 +1,102 @@
-"""Passwords inside URLs (`scheme://user:PASSWORD@host`): how to find them, and a logging filter
-that masks them in every record a handler emits.
+"""Credentials inside URLs -- a password (`scheme://user:PASSWORD@host`) and a secret in a query
+or fragment parameter (`?token=SECRET`, a presigned URL's `X-Amz-Signature=SECRET`): how to find
+them, how to mask them, and a logging filter that masks them in every record a handler emits.
 
 Configs refuse such URLs (schema.py), since Prefect stores a flow run's parameters as given; the
-filter keeps the ones that reach a log anyway -- a URL from the environment such as
-$MLFLOW_TRACKING_URI, an exception message from a client library -- out of the console and of
-the log Prefect's API handler sends to its server. Entry points install it once Prefect has set
-up its handlers (`install_log_scrubber`).
+masking keeps the ones that come anyway -- a URL from the environment such as
+$MLFLOW_TRACKING_URI, an exception message from a client library -- out of MLflow's params and
+tags (tasks/tracking.py `redact`), of the console and of the log Prefect's API handler sends to
+its server. Entry points install the filter once Prefect has set up its handlers
+(`install_log_scrubber`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 REDACTED = "***"
 # The user may be empty (`redis://:PASSWORD@host`); a path holding `@` has no `:` before it.
 URL_PASSWORD = re.compile(r"(?<=://)([^/@:\s]*):([^/@\s]+)@")
 
+# Parameters that carry a credential, by name, whatever the case: every kind of token (`token`,
+# `access_token`, `X-Amz-Security-Token`, GitLab's `private_token`), password (libpq's and JDBC's
+# `password`, `passwd`, `pwd`) and secret (`client_secret`); the signature of a presigned URL
+# (`X-Amz-Signature`, S3's older `Signature`, `X-Goog-Signature`, Azure SAS's `sig`) and the
+# credential it names (`X-Amz-Credential`, `X-Goog-Credential`); API keys (Google's `key`,
+# `api_key`, `apikey`, `access_key`, Azure's `subscription-key`); Firebase's `auth`; a `jwt`.
+# Names that merely end in `key` (`sort_key`) or start with `auth` (`authSource`) are no secret.
+SECRET_NAME = (r"[\w.-]*(?:token|password|passwd|secret|signature|credentials?)"
+               r"|(?:[\w.-]*[_.-])?(?:pwd|sig|auth|jwt)"
+               r"|(?:api|access|secret|private|account|subscription|sas)?[_-]?key")
+# A parameter starts after `?`, `&`, `;` or `#` (an OAuth token comes in the fragment), and its
+# value runs to the next of them, a blank or a quote. Inside another URL's parameter the
+# separators come percent-encoded (`%3F`, `%26`, `%3D`; `%253F` and so on once more per level of
+# encoding): the value then runs to the next separator of its own level.
+QUERY_SECRET = re.compile(
+    rf"(?P<lead>[?&;#](?P<name>{SECRET_NAME})=)[^&;#\s'\"<>`]+"
+    rf"|(?P<encoded>(?P<level>%(?:25)*)(?:3F|26|3B|23)(?P<encoded_name>{SECRET_NAME})(?P=level)3D)"
+    r"(?:(?!(?P=level)(?:26|3B|23))[^&;#\s'\"<>`])+",
+    re.IGNORECASE)
+
 
 def scrub(text: str) -> str:
-    """`text` with the password of every URL in it replaced by `***`."""
-    return URL_PASSWORD.sub(rf"\1:{REDACTED}@", text)
+    """`text` with the password and the secret parameters of every URL in it replaced by `***`."""
+    text = URL_PASSWORD.sub(rf"\1:{REDACTED}@", text)
+    return QUERY_SECRET.sub(lambda m: (m["lead"] or m["encoded"]) + REDACTED, text)
 
 
-class ScrubURLPasswords(logging.Filter):
-    """Masks URL passwords in a record's message and traceback; drops nothing."""
+def url_credential(text: str) -> str | None:
+    """What in `text` holds a credential, as an error message names it, or None: the first URL
+    password, else the first secret parameter."""
+    if URL_PASSWORD.search(text):
+        return "a password (its `user:password@` part)"
+    found = QUERY_SECRET.search(text)
+    if found is None:
+        return None
+    return f"a credential (its `{found['name'] or found['encoded_name']}` parameter)"
+
+
+OSERROR_TEXTS = ("strerror", "filename", "filename2")  # an OSError's, outside its __dict__
+
+
+def scrub_exception(err: BaseException) -> None:
+    """Mask URL credentials, in place, in what `err` and the exceptions it was raised from or
+    during say: their arguments and string attributes (an MlflowException's `message`, an
+    OSError's `filename`) and notes. Prefect keeps a failed run's message, made from the
+    exception, in its database and sends it to notifications; the log filter never sees it."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:  # a chain may loop back on itself
+        seen.add(id(err))
+        err.args = tuple(scrub(arg) if isinstance(arg, str) else arg for arg in err.args)
+        for name in {*vars(err), *OSERROR_TEXTS}:
+            value = getattr(err, name, None)
+            if isinstance(value, str) and url_credential(value):
+                setattr(err, name, scrub(value))
+            elif name == "__notes__" and isinstance(value, list):
+                value[:] = [scrub(note) if isinstance(note, str) else note for note in value]
+        err = err.__cause__ or err.__context__
+
+
+@contextmanager
+def credentials_masked_in_errors() -> Iterator[None]:
+    """An exception leaving the block is masked (scrub_exception) on its way out: the body of a
+    Prefect task or flow, whose failed state keeps the exception's message."""
+    try:
+        yield
+    except BaseException as err:
+        scrub_exception(err)
+        raise
+
+
+class ScrubURLCredentials(logging.Filter):
+    """Masks URL credentials in a record's message and traceback; drops nothing."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if URL_PASSWORD.search(message):
+        if url_credential(message):
             record.msg, record.args = scrub(message), None
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
@@ -46,5 +114,5 @@ def install_log_scrubber() -> None:
                                        if isinstance(logger, logging.Logger)]
     for logger in loggers:
         for handler in logger.handlers:
-            if not any(isinstance(f, ScrubURLPasswords) for f in handler.filters):
-                handler.addFilter(ScrubURLPasswords())
+            if not any(isinstance(f, ScrubURLCredentials) for f in handler.filters):
+                handler.addFilter(ScrubURLCredentials())

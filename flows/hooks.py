@@ -15,7 +15,7 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
 from forgeline.configs import Config, ConfigError, load_config
-from forgeline.configs.redaction import install_log_scrubber
+from forgeline.configs.redaction import install_log_scrubber, scrub
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def notify_failure(flow: Flow, run: FlowRun, state: State) -> None:
         block = Block.load(cfg.ops.notify_block)
         block.notify(subject=f"forgeline: {flow.name} run {run.name} failed",
                      body=f"Flow run {run.name} ({run.id}) of {flow.name} ended {state.type.value}: "
-                          f"{state.message or 'no message'}")
+                          f"{scrub(state.message or 'no message')}")
     except httpx.HTTPError as err:
         log.warning("could not report the failure of %s to %s: %s: %s", run.name, cfg.ops.notify_block,
                     type(err).__name__, err)

@@ -9,6 +9,7 @@ from prefect import flow
 
 from forgeline.configs import Config
 from forgeline.configs.environment import apply_environment_defaults
+from forgeline.configs.redaction import credentials_masked_in_errors
 from forgeline.flows.hooks import flow_config, notify_failure, prefect_tags
 from forgeline.flows.orchestrator import final_states_recorded, forget_reported_states
 from forgeline.flows.stage_flows import configured_task
@@ -41,7 +42,7 @@ def pipeline_flow(config: Config | str | None = None, overrides: list[str] | Non
     verify."""
     apply_environment_defaults()
     cfg = flow_config(config, overrides)
-    with (final_states_recorded() as states,
+    with (credentials_masked_in_errors(), final_states_recorded() as states,
           tracked_run(cfg, run_name("pipeline", cfg, with_layout=True), tags=prefect_tags()) as parent):
         results = {stage.name: states.run(configured_task(stage, cfg), cfg, parent.run_id, force)
                    for stage in STAGES}
@@ -63,7 +64,7 @@ def reproduce_flow(config: str, overrides: list[str], reproduces: str) -> tuple[
     apply_environment_defaults()
     cfg = flow_config(config, overrides)
     tags = prefect_tags() | {REPRODUCES_TAG: reproduces}
-    with (final_states_recorded() as states,
+    with (credentials_masked_in_errors(), final_states_recorded() as states,
           tracked_run(cfg, run_name("reproduce", cfg, with_layout=True), tags=tags) as parent):
         results = {stage.name: states.run(configured_task(stage, cfg), cfg, parent.run_id, True)
                    for stage in STAGES if stage.name in REPRODUCED_STAGES}

@@ -22,6 +22,7 @@ from prefect.tasks import exponential_backoff
 
 from forgeline.configs import Config
 from forgeline.configs.environment import apply_environment_defaults
+from forgeline.configs.redaction import credentials_masked_in_errors
 from forgeline.flows.hooks import flow_config, notify_failure, prefect_tags
 from forgeline.flows.orchestrator import API_ERRORS, final_states_recorded, forget_reported_states
 from forgeline.tasks.runner import UPSTREAM_RUN_TAG, reads_layout, run_stage, upstream_outputs
@@ -40,7 +41,8 @@ def stage_task(stage: Stage) -> Task:
             from_snapshot: bool = False) -> Any:
         # The task run id is the same for every retry: each attempt resumes into one MLflow run.
         run_key = str(task_run.id) if stage.retries else None
-        result = run_stage(stage, cfg, parent_run_id, force, run_key, from_snapshot)
+        with credentials_masked_in_errors():
+            result = run_stage(stage, cfg, parent_run_id, force, run_key, from_snapshot)
         if stage.report is not None:
             report(stage, result)
         return result
@@ -83,6 +85,12 @@ def run_one_stage(stage: Stage, config: Config | str | None, overrides: list[str
                   upstream_run: str | None, force: bool, from_snapshot: bool = False) -> Any:
     """A config path (with `overrides` and `upstream_run` applied here), or a `Config` its caller
     resolved already (the CLI: then `upstream_run` only labels the run)."""
+    with credentials_masked_in_errors():
+        return _run_one_stage(stage, config, overrides, upstream_run, force, from_snapshot)
+
+
+def _run_one_stage(stage: Stage, config: Config | str | None, overrides: list[str] | None,
+                   upstream_run: str | None, force: bool, from_snapshot: bool) -> Any:
     apply_environment_defaults()
     cfg = flow_config(config, overrides)
     tags = prefect_tags()

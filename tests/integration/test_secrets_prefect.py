@@ -1,9 +1,10 @@
 """Credentials stay out of Prefect, checked in what a real `prefect server start` stored -- flow
 runs with their parameters and states, task runs, logs, artifacts and events, read through its
-API: a URL with a password is refused before the CLI starts a flow; a flow run started with one
-in its overrides, as a deployment's is, fails on its config without logging it; credentials from
-the environment reach nothing; and a URL password that forgeline's code logs is masked in the
-run's logs."""
+API: a URL with a password or a secret parameter (`?token=`, a presigned URL's signature) is
+refused before the CLI starts a flow; a flow run started with one in its overrides, as a
+deployment's is, fails on its config without logging it; credentials from the environment reach
+nothing, a tracking URI with a token included (nor MLflow); and a URL credential that
+forgeline's code logs is masked in the run's logs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from mlflow import MlflowClient
 
 from tests.conftest import output_overrides
 from tests.integration.helpers import VENV_BIN, running_prefect_server, user_env
@@ -80,15 +82,25 @@ def run_logs(api: str, flow_run_id: str) -> str:
                      pages(api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}}))
 
 
-def test_the_cli_refuses_a_url_password_before_prefect_sees_it(api: str, tmp_path: Path) -> None:
-    secret = f"{SECRET}-cli"
+@pytest.mark.parametrize(("override", "refusal", "hint"), [
+    ("checkpoint.persistent_url=s3://AKIAEXAMPLE:{secret}@127.0.0.1:9/bucket",
+     "checkpoint.persistent_url: the URL holds a password", "AWS_SECRET_ACCESS_KEY"),
+    ("checkpoint.persistent_url=https://acct.blob.core.windows.net/ckpt?sv=2022-11-02&sp=rw&sig={secret}",
+     "checkpoint.persistent_url: the URL holds a credential (its `sig` parameter)", "fsspec"),
+    ("registry.tracking_uri=http://127.0.0.1:9/?token={secret}",
+     "registry.tracking_uri: the URL holds a credential (its `token` parameter)", "MLFLOW_TRACKING_TOKEN"),
+    ("data.sources=[{{kind: files, path: 'https://b.s3.amazonaws.com/c.jsonl?X-Amz-Signature={secret}'}}]",
+     "data.sources.0.path: the URL holds a credential (its `X-Amz-Signature` parameter)",
+     "AWS_SECRET_ACCESS_KEY"),
+], ids=["password", "sas-signature", "tracking-token", "presigned-source"])
+def test_the_cli_refuses_a_url_credential_before_prefect_sees_it(api: str, tmp_path: Path, override: str,
+                                                                 refusal: str, hint: str) -> None:
+    secret = f"{SECRET}-cli-{tmp_path.name}"
     done = start([str(VENV_BIN / "forgeline"), "stage", "data", "--config", "debug.yaml",
-                  *set_args(output_overrides(tmp_path / "out")),
-                  "--set", f"checkpoint.persistent_url=s3://AKIAEXAMPLE:{secret}@127.0.0.1:9/bucket"],
+                  *set_args(output_overrides(tmp_path / "out")), "--set", override.format(secret=secret)],
                  tmp_path / "work", api)
     assert done.returncode == 2, done.stderr[-4000:]
-    assert "checkpoint.persistent_url: the URL holds a password" in done.stderr
-    assert "AWS_SECRET_ACCESS_KEY" in done.stderr
+    assert refusal in done.stderr and hint in done.stderr
     assert secret not in done.stdout + done.stderr
     assert secret not in json.dumps(stored(api))
     assert not (tmp_path / "out" / "data").exists()
@@ -139,9 +151,39 @@ def test_credentials_from_the_environment_reach_no_flow_run(api: str, tmp_path: 
     assert secret not in json.dumps(everything)
 
 
+def test_a_tracking_uri_with_a_token_from_the_environment_is_masked_in_logs_and_mlflow(
+        api: str, tmp_path: Path) -> None:
+    """A real stage run whose MLflow store comes from $MLFLOW_TRACKING_URI with a query secret
+    (here a token sqlite ignores, as a database URI's `?password=` would be): the stage logs the
+    store it records to; no log line, Prefect record, MLflow param or tag shows the secret."""
+    secret = f"{SECRET}-tracking-token"
+    store = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{store}?token={secret}"
+    overrides = [o for o in output_overrides(tmp_path / "out") if not o.startswith("registry.tracking_uri=")]
+    done = start([str(VENV_BIN / "forgeline"), "stage", "data", "--config", "debug.yaml",
+                  *set_args(overrides)], tmp_path / "work", api, env={"MLFLOW_TRACKING_URI": uri})
+    assert done.returncode == 0, done.stderr[-6000:]
+    masked = f"sqlite:///{store}?token=***"
+    assert masked in done.stderr  # the stage's "MLflow run ... in <store>" line: the path ran
+    assert secret not in done.stdout + done.stderr
+
+    everything = stored(api)
+    [flow_run] = [run for run in everything["flow_runs"] if isinstance(run["parameters"].get("config"), dict)
+                  and run["parameters"]["config"]["data"]["out_dir"] == str(tmp_path / "out" / "data")]
+    assert flow_run["state"]["type"] == "COMPLETED"
+    assert masked in run_logs(api, flow_run["id"])
+    assert secret not in json.dumps(everything)
+
+    client = MlflowClient(f"sqlite:///{store}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert runs and all(run.data.params and run.data.tags for run in runs)
+    assert secret not in json.dumps([[run.data.params, run.data.tags] for run in runs])
+
+
 def test_a_url_password_logged_in_a_flow_run_is_masked(api: str, tmp_path: Path) -> None:
     """A flow that starts as forgeline's do (`flow_config`, which installs the filter), then logs a
-    URL from the environment, and a traceback with one in its error, as a client library's may be."""
+    URL from the environment, and a traceback with one in its error, as a client library's may be
+    -- a URL with a password, and presigned URLs with their signature in the query."""
     secret = f"{SECRET}-log"
     script = f"""
 import logging
@@ -162,6 +204,11 @@ def probe() -> None:
         raise ConnectionError("cannot reach " + URL)
     except ConnectionError:
         log.exception("upload failed")
+    log.warning("reading %s", "https://b.s3.amazonaws.com/c.jsonl?X-Amz-Credential=AKIA&X-Amz-Signature={secret}")
+    try:
+        raise PermissionError("403 on https://a.blob.core.windows.net/c?sv=1&sig={secret}&sp=r")
+    except PermissionError:
+        get_run_logger().exception("download failed")
 
 probe()
 """
@@ -176,4 +223,29 @@ probe()
     logs = run_logs(api, flow_run["id"])
     assert f"MLflow run in {masked}" in logs and f"tracking store {masked}" in logs
     assert f"ConnectionError: cannot reach {masked}" in logs
+    assert "reading https://b.s3.amazonaws.com/c.jsonl?X-Amz-Credential=***&X-Amz-Signature=***" in logs
+    assert "PermissionError: 403 on https://a.blob.core.windows.net/c?sv=1&sig=***&sp=r" in logs
+    assert secret not in json.dumps(everything)
+
+
+def test_a_failure_whose_error_names_a_url_with_a_token_is_masked_in_prefect_and_on_the_console(
+        api: str, tmp_path: Path) -> None:
+    """A stage that fails on a tracking server it cannot reach, given in $MLFLOW_TRACKING_URI
+    with a token: MLflow's error names the URL. The failed states Prefect keeps (their messages
+    are made from the exception, not from a log record) and the CLI's last line mask it."""
+    secret = f"{SECRET}-failure"
+    overrides = [o for o in output_overrides(tmp_path / "out") if not o.startswith("registry.tracking_uri=")]
+    done = start([str(VENV_BIN / "forgeline"), "stage", "data", "--config", "debug.yaml",
+                  *set_args(overrides)], tmp_path / "work", api,
+                 env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:9/?token={secret}"})
+    assert done.returncode == 1, done.stderr[-4000:]
+    failed = "forgeline: forgeline-data failed: MlflowException: API request to http://127.0.0.1:9/?token=***"
+    assert failed in done.stderr, done.stderr[-4000:]
+    assert secret not in done.stdout + done.stderr
+
+    everything = stored(api)
+    [flow_run] = [run for run in everything["flow_runs"] if isinstance(run["parameters"].get("config"), dict)
+                  and run["parameters"]["config"]["data"]["out_dir"] == str(tmp_path / "out" / "data")]
+    assert flow_run["state"]["type"] == "FAILED"
+    assert "?token=***" in flow_run["state"]["message"], flow_run["state"]["message"]
     assert secret not in json.dumps(everything)
