@@ -11,6 +11,11 @@ by the attention mask, so the model computes real tokens instead of padding; a c
 several requests (the choices of a multiple-choice item) is computed once, their continuations
 branching off its end. Generation is batched with a KV cache. On the CPU the linear layers run
 on weights packed once for oneDNN (model/inference.py, pack_linears).
+
+Two settings besides the weights decide a score: the tokenizer -- its end-of-text token is the
+token a document's first window is predicted from (lm-eval's prefix token) -- and `max_length`,
+the window a document is scored in (by default the model's context, `max_seq_len`). Models
+compared item by item must be scored with the same two (tasks/evaluate.py, Scoring).
 """
 
 from __future__ import annotations
@@ -167,12 +172,25 @@ def usable_device(requested: str) -> str:
     return requested
 
 
+def scoring_window(context: int, max_length: int | str | None) -> int:
+    """The window documents and inputs are scored in: `max_length` when given (as lm-eval's
+    model_args give it, perhaps a string), else the model's `context`. A window beyond the
+    context is refused: the model has no rotary positions past it."""
+    if max_length is None:
+        return context
+    window = int(max_length)
+    if not 0 < window <= context:
+        raise ValueError(f"max_length={window} does not fit the model's context of {context} tokens "
+                         f"(max_seq_len): score in windows of 1 to {context} tokens")
+    return window
+
+
 # lm-eval fills its model registry with its own names (hf, vllm, ...) only when the registry is
 # empty; lm_eval.models, imported above, fills it first, so ours joins them rather than hiding them.
 @register_model("forgeline")
 class ForgelineLM(TemplateLM):
     def __init__(self, tokenizer: str, checkpoint: str | None = None, bundle: str | None = None,
-                 hf: str | None = None, batch_size: int | str = 16, max_length: int | None = None,
+                 hf: str | None = None, batch_size: int | str = 16, max_length: int | str | None = None,
                  device: str = "cpu", **_ignored) -> None:
         apply_environment_defaults()  # lm-eval may construct this class from its own command line
         device = usable_device(device)
@@ -190,7 +208,7 @@ class ForgelineLM(TemplateLM):
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(Path(tokenizer)))
         self._device = torch.device(device)
         self.batch_size = int(batch_size)
-        self.max_length = int(max_length or model.shape.max_seq_len)
+        self.max_length = scoring_window(model.shape.max_seq_len, max_length)
 
     @property
     def eot_token_id(self) -> int:

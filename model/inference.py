@@ -27,10 +27,14 @@ def _materialized(shape: ModelConfig, device: torch.device | str) -> Transformer
     return model
 
 
+def checkpoint_shape(checkpoint: str | Path) -> ModelConfig:
+    """The shape of the model a checkpoint holds, from its manifest (no weights read)."""
+    return ModelConfig(**read_checkpoint_manifest(Path(checkpoint))["model_args"])
+
+
 def load_from_checkpoint(checkpoint: str | Path, device: torch.device | str = "cpu") -> Transformer:
     checkpoint = Path(checkpoint)
-    shape = ModelConfig(**read_checkpoint_manifest(checkpoint)["model_args"])
-    model = _materialized(shape, device)
+    model = _materialized(checkpoint_shape(checkpoint), device)
     load_model_weights(model, checkpoint)
     return model.eval()
 

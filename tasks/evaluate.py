@@ -13,16 +13,18 @@ same items (the same suite, limits and few-shot examples): its scores sit beside
 every output -- `base/...` and `versus_base/...` (the run's score minus the base's, paired on
 the shared items) in
 metrics.json and MLflow, `base` and `versus_base` in report.json, the base's bars beside the
-run's in the chart. A base's scores are cached under $FORGELINE_CACHE/evals by its weights'
-sha256 and the suite's fingerprint (eval/suite.py), so the runs continued from one base
-evaluate it once.
+run's in the chart. The base is scored as the run is (Scoring): with the run's data tokenizer
+and in windows of the run's context, so that identical weights score identically. A base's
+scores are cached under $FORGELINE_CACHE/evals by its weights' sha256, the scoring (the
+tokenizer's files, the window) and the suite's fingerprint (eval/suite.py), so the runs
+continued from one base evaluate it once.
 
 Output (`eval.out_dir`): `report.json` (scores per dimension and task, with intervals),
 `metrics.json` (flat, standard errors under `stderr/`; the DVC metrics file),
 `lm_eval_results.json` (lm-eval's results per dimension), `items.json` (each task's metric per
-item, by item id: the model's and the base's, with the suite's fingerprint and the plan -- what
-pairs two evaluations, EvaluatedItems), `dimensions.png` (a chart of the dimension scores),
-`tasks/` (the rendered task YAMLs that ran).
+item, by item id: the model's and the base's, with the suite's fingerprint, the plan and the
+scoring -- what pairs two evaluations, EvaluatedItems), `dimensions.png` (a chart of the
+dimension scores), `tasks/` (the rendered task YAMLs that ran).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ from forgeline.eval.scores import (
 )
 from forgeline.eval.suite import render_suite, suite_fingerprint
 from forgeline.model.checkpoint.manager import CheckpointError, verify_checkpoint
+from forgeline.model.fileio import sha256_file
+from forgeline.model.inference import checkpoint_shape
 from forgeline.tasks.atomic import write_text_atomic
 from forgeline.tasks.pretrained import Base, forgeline_cache, resolve_base
 from forgeline.tasks.tracking import RunTracker
@@ -67,6 +71,7 @@ REPORT_NAME = "report.json"
 RESULTS_NAME = "lm_eval_results.json"
 ITEMS_NAME = "items.json"
 CHART_NAME = "dimensions.png"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
 @dataclass(frozen=True)
@@ -203,6 +208,49 @@ def plan_record(plan: Plan) -> dict[str, dict]:
 
 
 @dataclass(frozen=True)
+class Scoring:
+    """What decides a model's score on an item besides its weights (eval/lm.py): the tokenizer
+    and the window. Every model scored on a run's items is scored with the run's: the data
+    stage's tokenizer -- whose end-of-text token separated the documents the run trained on and
+    starts each held-out document's first window -- and the run's context (its max_seq_len; a
+    run from a base has the base's) as the window. A base scored with its own tokenizer files
+    starts its documents from their end-of-text token, which may be another (a chat model's
+    <|im_end|>): identical weights then score differently."""
+    tokenizer: Path
+    """The tokenizer's directory (tokenizer.json and the files naming its special tokens)."""
+    max_length: int
+
+    @classmethod
+    def of_run(cls, checkpoint: Path, data_dir: Path) -> Scoring:
+        """The scoring of the run whose checkpoint this is, trained on the data in `data_dir`."""
+        return cls(tokenizer=data_dir / "tokenizer", max_length=checkpoint_shape(checkpoint).max_seq_len)
+
+    def model_args(self) -> dict[str, str | int]:
+        return {"tokenizer": str(self.tokenizer), "max_length": self.max_length}
+
+
+def tokenizer_sha256(directory: str | Path) -> str:
+    """sha256 of the files PreTrainedTokenizerFast loads from `directory` (a tokenizer's own, or
+    a model's beside its weights): the vocabulary and merges, and which tokens are special (the
+    end-of-text token scoring starts a document from)."""
+    files = [Path(directory) / name for name in TOKENIZER_FILES if (Path(directory) / name).is_file()]
+    listing = "".join(f"{file.name}:{sha256_file(file)}\n" for file in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def scoring_record(model_args: dict[str, str | int]) -> dict:
+    """What items.json and the score caches keep of ForgelineLM's scoring arguments: the
+    tokenizer's files by content and the window (None: the model's own context, which its
+    identity fixes)."""
+    return {"tokenizer_sha256": tokenizer_sha256(model_args["tokenizer"]),
+            "max_length": model_args.get("max_length")}
+
+
+def windows(max_length: int | None) -> str:
+    return "unrecorded windows" if max_length is None else f"windows of {max_length} tokens"
+
+
+@dataclass(frozen=True)
 class EvaluatedItems:
     """One model's per-item results with the suite and plan they came from (items.json holds
     them for the model and its base): what pairs two evaluations item by item."""
@@ -211,6 +259,8 @@ class EvaluatedItems:
     plan: dict[str, dict]
     """plan_record's form: per dimension its tasks, limit and few-shot count."""
     items: dict[str, TaskItems]
+    max_length: int | None = None
+    """The window the items were scored in (Scoring); None in records written before it was kept."""
 
     @classmethod
     def read(cls, path: Path, which: str = "model") -> EvaluatedItems:
@@ -219,7 +269,8 @@ class EvaluatedItems:
             raise ValueError(f"{path} has no suite record: it was written before evaluations could be paired")
         items = {task: TaskItems(ids=entry["ids"], values=entry["values"])
                  for task, entry in record[which].items()}
-        return cls(record["suite"]["fingerprint"], record["suite"]["plan"], items)
+        suite = record["suite"]
+        return cls(suite["fingerprint"], suite["plan"], items, suite.get("scoring", {}).get("max_length"))
 
     def scores(self) -> dict[str, list[TaskScore]]:
         """The plan's scored tasks per dimension."""
@@ -241,6 +292,8 @@ class EvaluatedItems:
         if self.suite != other.suite:
             return [f"another suite (fingerprint {self.suite[:12]}, not {other.suite[:12]}: other "
                     "tasks, held-out documents, item packages or scoring code)"]
+        if self.max_length != other.max_length:
+            return [f"scored in {windows(self.max_length)}, not {windows(other.max_length)}"]
         fewshot = self.fewshot()
         why = []
         for entry in other.plan.values():
@@ -264,18 +317,20 @@ def evaluate_model(cfg: Config) -> EvalResult:
     data_dir, out_dir = Path(cfg.data.out_dir), Path(cfg.eval.out_dir)
     suite_dir = render_suite(out_dir / "tasks", data_dir)
     task_manager = TaskManager(include_path=str(suite_dir))
-    scored = score_model(dict(checkpoint=str(checkpoint), tokenizer=str(data_dir / "tokenizer")),
-                         cfg.eval.batch_size, plan, task_manager)
+    scoring = Scoring.of_run(checkpoint, data_dir)
+    model_args = {"checkpoint": str(checkpoint)} | scoring.model_args()
+    scored = score_model(model_args, cfg.eval.batch_size, plan, task_manager)
     report = scored.report(plan)
     result = result_of(report, scored.raw, out_dir, checkpoint)
     suite = suite_fingerprint(suite_dir, data_dir)
-    items = {"suite": {"fingerprint": suite, "plan": plan_record(plan)}, "model": scored.items_record(plan)}
+    suite_record = {"fingerprint": suite, "plan": plan_record(plan), "scoring": scoring_record(model_args)}
+    items = {"suite": suite_record, "model": scored.items_record(plan)}
     if cfg.model.init_from:
         base = resolve_base(cfg)
         base_scored = cached_scores(
-            {"base": base.sha256, "tokenizer": base.tokenizer_sha256}, f"the base {base.uri}",
-            {"checkpoint" if base.is_checkpoint else "hf": str(base.weights),
-             "tokenizer": str(base.tokenizer)}, cfg.eval.batch_size, plan, task_manager, suite)
+            {"base": base.sha256}, f"the base {base.uri}",
+            {"checkpoint" if base.is_checkpoint else "hf": str(base.weights)} | scoring.model_args(),
+            cfg.eval.batch_size, plan, task_manager, suite)
         result = beside_base(result, report, base, base_scored.report(plan), base_scored.raw,
                              paired_comparison(scored.items, base_scored.items, plan_scores(plan)))
         items["base"] = base_scored.items_record(plan)
@@ -318,7 +373,7 @@ def result_of(report: dict, raw: dict[str, float], out_dir: Path, checkpoint: Pa
                       detectable=detectable)
 
 
-def score_model(model_args: dict[str, str], batch_size: int, plan: Plan,
+def score_model(model_args: dict[str, str | int], batch_size: int, plan: Plan,
                 task_manager: TaskManager) -> ModelScores:
     """Every planned task on one model (ForgelineLM's arguments). The model is freed on return
     (a second may be loaded next)."""
@@ -347,15 +402,22 @@ def score_lm(lm: lm_eval.api.model.LM, plan: Plan, task_manager: TaskManager) ->
     return scored
 
 
-def cached_scores(model: dict[str, str], label: str, model_args: dict[str, str], batch_size: int,
+def scores_cache_file(model: dict[str, str], model_args: dict[str, str | int], suite: str, plan: Plan,
+                      batch_size: int) -> Path:
+    """Where cached_scores keeps a model's scores: keyed by all that decides them."""
+    key = hashlib.sha256(json.dumps([model, scoring_record(model_args), suite, plan_record(plan), batch_size],
+                                    sort_keys=True).encode()).hexdigest()
+    return forgeline_cache() / "evals" / f"{key[:32]}.json"
+
+
+def cached_scores(model: dict[str, str], label: str, model_args: dict[str, str | int], batch_size: int,
                   plan: Plan, task_manager: TaskManager, suite: str) -> ModelScores:
     """A model other than the run's (a pretrained base, a registered champion) scored on the
     planned items: from the cache under $FORGELINE_CACHE/evals when this model (`model`: what
-    identifies its weights) was scored under the same suite fingerprint, plan and batch size
-    before; else scored now (`model_args`: ForgelineLM's) and cached."""
-    key = hashlib.sha256(json.dumps([model, suite, plan_record(plan), batch_size],
-                                    sort_keys=True).encode()).hexdigest()
-    cached = forgeline_cache() / "evals" / f"{key[:32]}.json"
+    identifies its weights) was scored with the same scoring (scoring_record of `model_args`,
+    ForgelineLM's) under the same suite fingerprint, plan and batch size before; else scored now
+    and cached."""
+    cached = scores_cache_file(model, model_args, suite, plan, batch_size)
     if cached.is_file():
         log.info("%s on these items: scores from %s", label, cached)
         record = json.loads(cached.read_text())
@@ -364,8 +426,9 @@ def cached_scores(model: dict[str, str], label: str, model_args: dict[str, str],
     log.info("evaluating %s on the same items", label)
     scored = score_model(model_args, batch_size, plan, task_manager)
     items = {task: asdict(entry) for task, entry in scored.items.items()}
-    write_text_atomic(cached, json.dumps({"model": model, "suite": suite, "plan": plan_record(plan),
-                                          "metrics": scored.raw, "items": items}, sort_keys=True) + "\n")
+    record = {"model": model, "scoring": scoring_record(model_args), "suite": suite,
+              "plan": plan_record(plan), "metrics": scored.raw, "items": items}
+    write_text_atomic(cached, json.dumps(record, sort_keys=True) + "\n")
     return scored
 
 

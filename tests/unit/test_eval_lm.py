@@ -1,3 +1,6 @@
+import json
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -5,8 +8,13 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 
+from forgeline.configs.schema import DimensionConfig, ModelConfig
+from forgeline.eval.dimensions import task_score
 from forgeline.eval.lm import ForgelineLM, Sequence, pack_rows
+from forgeline.eval.scores import TaskItems
+from forgeline.model.checkpoint.manager import MANIFEST_NAME
 from forgeline.model.hf import export_hf
+from forgeline.tasks.evaluate import EvaluatedItems, Scoring, scores_cache_file
 from tests.conftest import random_lm
 
 
@@ -20,9 +28,13 @@ def one_at_a_time(lm: ForgelineLM, method, requests: list[Instance]) -> list:
 
 
 @pytest.fixture(scope="module")
-def lm(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> ForgelineLM:
-    return random_lm(data_root / "data" / "tokenizer", tmp_path_factory.mktemp("bundle"), max_seq_len=48,
-                     batch_size=4)
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("bundle")
+
+
+@pytest.fixture(scope="module")
+def lm(data_root: Path, bundle: Path) -> ForgelineLM:
+    return random_lm(data_root / "data" / "tokenizer", bundle, max_seq_len=48, batch_size=4)
 
 
 def request(kind: str, *args) -> Instance:
@@ -54,19 +66,87 @@ def test_scores_do_not_depend_on_batching(lm: ForgelineLM) -> None:
         assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
 
 
-def test_rolling_loglikelihood_covers_every_token_once(lm: ForgelineLM) -> None:
-    text = "O Romeo, Romeo! wherefore art thou Romeo? " * 6  # longer than max_length 48
+ROMEO = "O Romeo, Romeo! wherefore art thou Romeo? " * 6  # longer than max_length 48
+
+
+def rolling_by_hand(lm: ForgelineLM, text: str) -> float:
+    """A document's log-likelihood in windows of disjoint targets, max_length tokens each: the
+    first predicted from the EOS prefix."""
     tokens = lm.tok_encode(text)
-    assert len(tokens) > lm.max_length
-    [total] = lm.loglikelihood_rolling([request("loglikelihood_rolling", text)])
-    # Windows of disjoint targets: the first is predicted from the EOS prefix.
     expected = 0.0
     stream = [lm.eot_token_id] + tokens
     for start in range(0, len(tokens), lm.max_length):
         end = min(start + lm.max_length, len(tokens))
         window = stream[max(0, end - lm.max_length): end + 1]
         expected += direct_logprob(lm, window, end - start)
-    assert total == pytest.approx(expected, abs=1e-3)
+    return expected
+
+
+def test_rolling_loglikelihood_covers_every_token_once(lm: ForgelineLM) -> None:
+    assert len(lm.tok_encode(ROMEO)) > lm.max_length
+    [total] = lm.loglikelihood_rolling([request("loglikelihood_rolling", ROMEO)])
+    assert total == pytest.approx(rolling_by_hand(lm, ROMEO), abs=1e-3)
+
+
+def test_documents_are_scored_in_the_window_given_by_default_the_models_context(
+        lm: ForgelineLM, bundle: Path, data_root: Path) -> None:
+    """The window changes a document's score: two models compared item by item are scored in one
+    (tasks/evaluate.py, Scoring); none longer than the model's context is accepted."""
+    tokenizer = str(data_root / "data" / "tokenizer")
+    assert lm.max_length == lm.model.shape.max_seq_len == 48
+    # A string, as lm-eval's model_args give it.
+    narrow = ForgelineLM(bundle=str(bundle), tokenizer=tokenizer, batch_size=4, max_length="20")
+    assert narrow.max_length == 20
+    [total] = narrow.loglikelihood_rolling([request("loglikelihood_rolling", ROMEO)])
+    assert total == pytest.approx(rolling_by_hand(narrow, ROMEO), abs=1e-3)
+    [wide] = lm.loglikelihood_rolling([request("loglikelihood_rolling", ROMEO)])
+    assert abs(total - wide) > 1e-2
+    with pytest.raises(ValueError, match="max_length=49 does not fit the model's context of 48 tokens"):
+        ForgelineLM(bundle=str(bundle), tokenizer=tokenizer, max_length=49)
+
+
+def test_a_run_and_its_base_are_scored_with_the_runs_tokenizer_in_windows_of_its_context(
+        data_root: Path, tmp_path: Path) -> None:
+    checkpoint = tmp_path / "step-00000002"
+    checkpoint.mkdir()
+    shape = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                        max_seq_len=96)
+    (checkpoint / MANIFEST_NAME).write_text(json.dumps({"model_args": shape.model_dump(mode="json")}))
+    scoring = Scoring.of_run(checkpoint, data_root / "data")
+    assert scoring.model_args() == {"tokenizer": str(data_root / "data" / "tokenizer"), "max_length": 96}
+
+
+def test_cached_scores_are_keyed_by_the_tokenizer_and_the_window(data_root: Path, tmp_path: Path) -> None:
+    """A base's scores cached under another window or another end-of-text token are not read
+    back; its weights' location is not part of the key (their sha256 is, in `model`)."""
+    plan = {"language_modeling": ([task_score("forgeline_heldout")],
+                                  DimensionConfig(tasks=["forgeline_heldout"], limit=3, num_fewshot=0))}
+    tokenizer = data_root / "data" / "tokenizer"
+    chat = shutil.copytree(tokenizer, tmp_path / "chat")
+    settings = json.loads((chat / "tokenizer_config.json").read_text())
+    (chat / "tokenizer_config.json").write_text(json.dumps(settings | {"eos_token": "<|im_end|>"}))
+
+    def cache_file(weights: str, tokenizer: Path, max_length: int | None) -> Path:
+        model_args = {"hf": weights, "tokenizer": str(tokenizer)}
+        if max_length is not None:
+            model_args["max_length"] = max_length
+        return scores_cache_file({"base": "0" * 64}, model_args, "suite", plan, 8)
+
+    key = cache_file("base", tokenizer, 512)
+    assert cache_file("moved/base", tokenizer, 512) == key
+    assert len({key, cache_file("base", tokenizer, 256), cache_file("base", tokenizer, None),
+                cache_file("base", chat, 512)}) == 4
+
+
+def test_items_scored_in_another_window_do_not_pair() -> None:
+    plan = {"language_modeling": {"tasks": ["forgeline_heldout"], "limit": 2, "num_fewshot": 0}}
+    items = {"forgeline_heldout": TaskItems(ids=["a", "b"], values=[[-9.0, 4], [-7.0, 3]])}
+    run = EvaluatedItems("suite", plan, items, max_length=512)
+    assert run.unpaired(replace(run, max_length=512)) == []
+    [why] = run.unpaired(replace(run, max_length=256))
+    assert why == "scored in windows of 512 tokens, not windows of 256 tokens"
+    [why] = run.unpaired(replace(run, max_length=None))  # a record from before the window was kept
+    assert why == "scored in windows of 512 tokens, not unrecorded windows"
 
 
 def test_generate_until_cuts_at_the_stop_sequence(lm: ForgelineLM) -> None:
