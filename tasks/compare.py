@@ -5,17 +5,20 @@ comparison as the promotion gate's, tasks/promote.py)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
 from mlflow import MlflowClient
-from mlflow.exceptions import MlflowException
 
 from forgeline.eval.dimensions import TaskScore
 from forgeline.eval.scores import paired_comparison
-from forgeline.tasks.evaluate import ITEMS_NAME, EvaluatedItems
+from forgeline.tasks.evaluate import ITEMS_NAME, EvaluatedItems, windows
+
+log = logging.getLogger(__name__)
 
 MISSING = "-"
 
@@ -77,13 +80,21 @@ def logged_items(client: MlflowClient, run_id: str) -> EvaluatedItems | None:
 
 
 def run_items(client: MlflowClient, run_id: str) -> EvaluatedItems | None:
-    """The per-item eval results among one run's own artifacts."""
+    """The per-item eval results among one run's own artifacts; None when it has none, or only
+    ones written before evaluations could be paired. A tracking server or artifact store that
+    fails to answer raises: that the items could not be read says nothing about the run."""
+    folder = ITEMS_ARTIFACT.rpartition("/")[0]
+    if ITEMS_ARTIFACT not in {entry.path for entry in client.list_artifacts(run_id, folder)}:
+        return None
     with tempfile.TemporaryDirectory() as scratch:
+        path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=ITEMS_ARTIFACT,
+                                                   dst_path=scratch, tracking_uri=client.tracking_uri)
         try:
-            path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=ITEMS_ARTIFACT,
-                                                       dst_path=scratch, tracking_uri=client.tracking_uri)
             return EvaluatedItems.read(Path(path))
-        except (MlflowException, OSError, ValueError):
+        except json.JSONDecodeError:  # a damaged artifact: an error, not an absence
+            raise
+        except ValueError as err:  # an items.json without a suite record
+            log.warning("run %s: %s", run_id, err)
             return None
 
 
@@ -112,6 +123,10 @@ def paired_against_first(client: MlflowClient, run_ids: list[str]) -> str:
             lines.append(f"{run_id} - {run_ids[0]}: not paired, evaluated under different suites "
                          f"(fingerprints {other.suite[:12]} and {first.suite[:12]}): the same item may "
                          "be scored differently")
+            continue
+        if other.max_length != first.max_length:
+            lines.append(f"{run_id} - {run_ids[0]}: not paired, scored in {windows(other.max_length)} and "
+                         f"{windows(first.max_length)}: the same item may be scored differently")
             continue
         plan = shared_plan(other, first)
         if not plan:

@@ -3,45 +3,64 @@ the champion's by more than noise, item by item on the same items.
 
 The rules (README, "The promotion gate"), with d the candidate's score minus the champion's,
 paired on the candidate's items, and [lo, hi] its 95 % interval (eval/scores.py
-paired_comparison):
-  - promoted: overall lo >= registry.promotion_margin, and no dimension significantly regressed
-    by more than registry.max_dimension_regression (its hi < -max_dimension_regression), and the
-    two differ on at least one item;
-  - rejected: a dimension so regressed, a dimension the champion was scored on and the
-    candidate was not, or overall hi < promotion_margin (it misses the margin with 95 %
-    confidence);
-  - inconclusive: anything else. The decision then states the minimum detectable difference at
-    the current item counts and the limits that would resolve a difference the size of d.
+paired_comparison); a dimension is significantly worse when its hi < 0, better when its lo > 0:
+  - rejected: a dimension significantly worse while none is significantly better, whatever
+    registry.max_dimension_regression (averaging in dimensions at chance must not wash out a real
+    loss); in a trade-off (some dimension significantly better), a dimension worse than
+    -registry.max_dimension_regression (hi below it); a dimension the champion was scored on and
+    the candidate was not; or overall hi < registry.promotion_margin (it misses the margin with
+    95 % confidence);
+  - promoted: none of those, overall lo >= registry.promotion_margin, and the two differ on at
+    least one item;
+  - inconclusive: anything else -- no dimension decided. The decision then states the minimum
+    detectable difference at the current item counts and the limits that would resolve a
+    difference the size of d.
 The first version becomes champion (there is nothing to compare with); `--force` moves the alias
 regardless. A version whose registration is incomplete (tasks/register.py) is never judged, nor
 made champion. Where no comparison can be made here (the candidate has no per-item results, or the
 champion would have to be evaluated on a suite this code and data do not render), the decision
-is inconclusive, saying why: the version stays registered and the alias where it was. Every
-decision is a set of version tags: the outcome with its reasons and the intervals it rests on.
+is inconclusive, saying why: the version stays registered and the alias where it was. A registry
+or artifact store that fails to answer is an error, never a decision. Every decision is a set of
+version tags: the outcome with the champion it was compared with and its reasons, and the
+intervals it rests on.
 
 The candidate's per-item results are the eval stage's items.json, logged with the version's
 run by the register stage; the champion's too. When the champion's do not cover the candidate's
 items (another suite version, limit or few-shot count, or a version registered before items were
 kept), the champion's registered export is evaluated on the candidate's items first (cached under
 $FORGELINE_CACHE/evals by registry, version and suite).
+
+Decisions are serialized by the promotion lock (`promotion_lock`), so that two registrations at
+once cannot both move the alias on a comparison with the same champion. The gate decides outside
+it (an evaluation of the champion can take minutes); under it, the champion is read again and the
+decision recorded and the alias moved only if the champion is still the one the decision was made
+against -- else the gate decides again, against the new one.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lm_eval.tasks import TaskManager
 from mlflow import MlflowClient
-from mlflow.entities.model_registry import ModelVersion
+from mlflow.entities.model_registry import ModelVersion, RegisteredModel
 from mlflow.exceptions import MlflowException
+from transformers import AutoConfig
 
 from forgeline.configs import Config
 from forgeline.eval.scores import Z80_POWER, Z95, detectable_difference, paired_comparison
 from forgeline.eval.suite import render_suite, suite_fingerprint
+from forgeline.model.hf import model_shape_from_hf
 from forgeline.tasks.compare import ITEMS_ARTIFACT, logged_items
 from forgeline.tasks.evaluate import EvaluatedItems, cached_scores
 from forgeline.tasks.pretrained import check_complete, registered_export, registry_key
@@ -51,6 +70,9 @@ log = logging.getLogger(__name__)
 CHAMPION_ALIAS = "champion"
 DECISION_TAG = "forgeline.promotion"
 EVIDENCE_TAG_PREFIX = "forgeline.promotion."  # + "versus", "overall", "dimension/<name>", "detectable"
+# A promotion's decision, written before the alias moves and replaced by DECISION_TAG after: a
+# process that dies in between leaves the champion with it, and the next `promote` records it.
+PENDING_TAG = "forgeline.promotion.pending"
 PROMOTED, INCONCLUSIVE, REJECTED = "promoted", "inconclusive", "rejected"
 
 
@@ -85,11 +107,7 @@ def judge(comparison: dict, champion_dimensions: list[str], margin: float, max_r
                f"on {shared} shared items")
     rejections = [f"dimension {name} was not evaluated (the champion's was)"
                   for name in champion_dimensions if name not in comparison["dimensions"]]
-    for name, entry in comparison["dimensions"].items():
-        if entry["ci95"] is not None and entry["ci95"][1] < -max_regression:
-            change = signed_interval(entry["difference"], entry["ci95"])
-            rejections.append(f"dimension {name} regressed: {change}, worse than -{max_regression:g} "
-                              "with 95 % confidence")
+    rejections += regressions(comparison["dimensions"], max_regression)
     low_high = comparison["overall_ci95"]
     if low_high is not None and low_high[1] < margin:
         rejections.append(f"{overall} is below the margin {margin:g} with 95 % confidence")
@@ -104,10 +122,34 @@ def judge(comparison: dict, champion_dimensions: list[str], margin: float, max_r
     return Verdict(INCONCLUSIVE, [f"{overall} holds the margin {margin:g}"])
 
 
+def regressions(dimensions: dict[str, dict], max_regression: float) -> list[str]:
+    """The dimensions that reject the candidate. With no dimension significantly better, each one
+    significantly worse (its interval below 0): a loss that nothing pays for, however small.
+    In a trade-off (some dimension significantly better), each one worse than -max_regression
+    with 95 % confidence: the loss the tolerance does not cover."""
+    def interval_of(name: str) -> list[float]:
+        return dimensions[name]["ci95"]
+
+    scored = [name for name, entry in dimensions.items() if entry["ci95"] is not None]
+    worse = [name for name in scored if interval_of(name)[1] < 0]
+    better = [name for name in scored if interval_of(name)[0] > 0]
+
+    def change(name: str) -> str:
+        return signed_interval(dimensions[name]["difference"], interval_of(name))
+
+    if not better:
+        return [f"dimension {name} regressed: {change(name)}, worse with 95 % confidence, and no dimension "
+                "is better" for name in worse]
+    return [f"dimension {name} regressed: {change(name)}, worse than -{max_regression:g} with 95 % "
+            f"confidence (the tolerance for a trade-off: {', '.join(better)} better)"
+            for name in worse if interval_of(name)[1] < -max_regression]
+
+
 def resolution(comparison: dict, plan: dict[str, dict], margin: float) -> str:
-    """What an inconclusive comparison would need: the minimum detectable difference at these
-    counts, and the per-dimension limits at which a true difference the size of the observed one
-    would clear the margin with 80 % power (the standard error shrinks as 1/sqrt(items))."""
+    """What an inconclusive comparison -- one no dimension decided -- would need: the minimum
+    detectable difference at these counts, and the per-dimension limits at which a true
+    difference the size of the observed one would clear the margin with 80 % power (the
+    standard error shrinks as 1/sqrt(items))."""
     stderr = comparison["overall_stderr"]
     if stderr is None:
         return "at least two shared items per task are needed for an interval"
@@ -137,18 +179,34 @@ class Decision:
     outcome: str  # PROMOTED, INCONCLUSIVE or REJECTED
     reasons: list[str] = field(default_factory=list)
     advice: str = ""  # for an inconclusive decision: what would resolve it
+    forced: bool = False  # `--force`: the alias moved without the gate
 
     @property
     def promoted(self) -> bool:
         return self.outcome == PROMOTED
 
+    @property
+    def already(self) -> bool:
+        """Nothing to decide: the version is the champion."""
+        return self.champion_before == self.version
+
+    def against(self) -> str:
+        """The champion it was compared with, or why there was none."""
+        if self.champion_before is None:
+            return "no champion before"
+        return f"{'forced over' if self.forced else 'versus'} version {self.champion_before}"
+
+    def record(self) -> str:
+        """The version's DECISION_TAG: the outcome, what it was decided against, and why."""
+        return f"{self.outcome}: " + "; ".join([self.against(), *self.reasons])
+
     def describe(self) -> str:
-        if self.promoted and self.champion_before == self.version:
+        if self.already:
             return f"{self.model_name} version {self.version} is already @{CHAMPION_ALIAS}"
         if self.promoted:
-            before = f"replacing version {self.champion_before}" if self.champion_before else "first champion"
             because = f": {'; '.join(self.reasons)}" if self.reasons else ""
-            return f"{self.model_name} version {self.version} is now @{CHAMPION_ALIAS} ({before}){because}"
+            return (f"{self.model_name} version {self.version} is now @{CHAMPION_ALIAS} ({self.against()})"
+                    + because)
         text = (f"{self.model_name} version {self.version} stays behind @{CHAMPION_ALIAS} (version "
                 f"{self.champion_before}), {self.outcome}: {'; '.join(self.reasons)}")
         return text + (f". {self.advice[0].upper()}{self.advice[1:]}" if self.advice else "")
@@ -167,6 +225,10 @@ def aliased(client: MlflowClient, model_name: str, alias: str) -> ModelVersion |
 
 def current_champion(client: MlflowClient, model_name: str) -> ModelVersion | None:
     return aliased(client, model_name, CHAMPION_ALIAS)
+
+
+def version_of(version: ModelVersion | None) -> str | None:
+    return None if version is None else str(version.version)
 
 
 def champion_on_items(cfg: Config, client: MlflowClient, champion: ModelVersion,
@@ -193,10 +255,23 @@ def champion_on_items(cfg: Config, client: MlflowClient, champion: ModelVersion,
         export = registered_export(client.tracking_uri, champion.name, str(champion.version))
         model = {"registry": registry_key(client.tracking_uri), "model": champion.name,
                  "version": str(champion.version), "run": champion.run_id}
-        scored = cached_scores(model, label, {"hf": str(export), "tokenizer": str(export)},
-                               cfg.eval.batch_size, candidate.eval_plan(),
+        model_args = {"hf": str(export), "tokenizer": str(export)} | window_of(candidate, export, label)
+        scored = cached_scores(model, label, model_args, cfg.eval.batch_size, candidate.eval_plan(),
                                TaskManager(include_path=str(suite_dir)), candidate.suite)
-    return EvaluatedItems(candidate.suite, candidate.plan, scored.items)
+    return EvaluatedItems(candidate.suite, candidate.plan, scored.items, candidate.max_length)
+
+
+def window_of(candidate: EvaluatedItems, export: Path, label: str) -> dict[str, int]:
+    """ForgelineLM's window argument for scoring the champion's `export` in the candidate's
+    windows (tasks/evaluate.py Scoring): a score depends on the window, so the two must share it.
+    None recorded (items from before windows were kept): the champion's own context."""
+    if candidate.max_length is None:
+        return {}
+    context = model_shape_from_hf(AutoConfig.from_pretrained(str(export))).max_seq_len
+    if candidate.max_length > context:
+        raise Unpaired(f"the candidate was scored in windows of {candidate.max_length} tokens, longer than "
+                       f"the {label}'s context of {context}: the two cannot be scored alike")
+    return {"max_length": candidate.max_length}
 
 
 def evidence_tags(comparison: dict, champion: str, advice: str) -> dict[str, str]:
@@ -234,6 +309,15 @@ def decide(cfg: Config, client: MlflowClient, candidate: ModelVersion,
     return decision, evidence_tags(comparison, str(champion.version), advice)
 
 
+def decided(cfg: Config, client: MlflowClient, candidate: ModelVersion, champion: ModelVersion | None,
+            force: bool) -> tuple[Decision, dict[str, str]]:
+    """The decision on `candidate` against `champion` (None: there is none) and its evidence."""
+    if champion is None or force:
+        return Decision(candidate.name, str(candidate.version), version_of(champion), PROMOTED,
+                        forced=champion is not None), {}
+    return decide(cfg, client, candidate, champion)
+
+
 def recorded_decision(version: ModelVersion) -> str | None:
     """The gate's decision recorded on `version`, in words; None if the gate has not decided on it."""
     tag = version.tags.get(DECISION_TAG)
@@ -242,23 +326,197 @@ def recorded_decision(version: ModelVersion) -> str | None:
 
 def promote(cfg: Config, client: MlflowClient, version: str, force: bool = False) -> Decision:
     """Move `champion` to `version` of `registry.model_name` if the gate passes (or `force`), and
-    record the decision and its evidence as version tags. A version whose registration is
-    incomplete is refused (pretrained.IncompleteRegistration): it never becomes champion."""
+    record the decision and its evidence as version tags, as one step under the promotion lock:
+    the champion the decision was made against is still the champion when it is recorded (else
+    the gate decides again). A version whose registration is incomplete is refused
+    (pretrained.IncompleteRegistration): it never becomes champion."""
     name = cfg.registry.model_name
     candidate = check_complete(client.get_model_version(name, version), client.tracking_uri)
-    champion = current_champion(client, name)
-    before = str(champion.version) if champion else None
-    evidence = {}
-    if champion is None or before == str(candidate.version):
-        decision = Decision(name, str(candidate.version), before, PROMOTED)
-    elif force:
-        decision = Decision(name, str(candidate.version), before, PROMOTED, ["forced"])
-    else:
-        decision, evidence = decide(cfg, client, candidate, champion)
+    while True:
+        champion = current_champion(client, name)
+        if version_of(champion) == str(candidate.version):
+            return already_champion(client, champion)
+        decision, evidence = decided(cfg, client, candidate, champion, force)
+        with promotion_lock(client, name) as lease:
+            now = version_of(current_champion(client, name))
+            if now == decision.champion_before:
+                record(client, candidate, decision, evidence, lease)
+                log.info("%s", decision.describe())
+                return decision
+        log.info("@%s moved from version %s to %s while the gate decided on %s version %s: deciding again "
+                 "against it", CHAMPION_ALIAS, decision.champion_before, now, name, candidate.version)
+
+
+def record(client: MlflowClient, candidate: ModelVersion, decision: Decision, evidence: dict[str, str],
+           lease: Lease) -> None:
+    """The decision's tags -- the decision last, after its evidence -- and, if promoted, the alias
+    move. The decision of a promotion is pending until the alias has moved."""
+    name, number = decision.model_name, decision.version
+    tags = {**evidence, PENDING_TAG if decision.promoted else DECISION_TAG: decision.record()}
+    for key, value in tags.items():
+        lease.check()
+        client.set_model_version_tag(name, number, key, value[:5000])
     if decision.promoted:
-        client.set_registered_model_alias(name, CHAMPION_ALIAS, decision.version)
-    tag = decision.outcome if not decision.reasons else f"{decision.outcome}: {'; '.join(decision.reasons)}"
-    for key, value in {DECISION_TAG: tag, **evidence}.items():
-        client.set_model_version_tag(name, decision.version, key, value[:5000])
-    log.info("%s", decision.describe())
-    return decision
+        lease.check()
+        client.set_registered_model_alias(name, CHAMPION_ALIAS, number)
+        client.set_model_version_tag(name, number, DECISION_TAG, decision.record()[:5000])
+    if decision.promoted or PENDING_TAG in candidate.tags:  # done, or left by an attempt that died
+        client.delete_model_version_tag(name, number, PENDING_TAG)
+
+
+def already_champion(client: MlflowClient, champion: ModelVersion) -> Decision:
+    """The decision on the champion itself: nothing to decide. Its promotion's pending decision is
+    recorded if the process that moved the alias died before it could."""
+    number = str(champion.version)
+    if PENDING_TAG in champion.tags:
+        client.set_model_version_tag(champion.name, number, DECISION_TAG, champion.tags[PENDING_TAG])
+        client.delete_model_version_tag(champion.name, number, PENDING_TAG)
+    return Decision(champion.name, number, number, PROMOTED)
+
+
+# The promotion lock: a registered model NAME.promotion-lock exists while a process records a
+# decision on NAME. Creating a registered model whose name exists fails (RESOURCE_ALREADY_EXISTS) in
+# a database store and a tracking server alike -- a unique key of the registry's database -- so
+# exactly one creator holds it. It carries its holder and the end of its lease (unix time), set in
+# the same call. The holder writes only within the first half of its lease (Lease.check before each
+# write), which leaves the other half for a write that has started to land (MLflow's requests
+# give up after ~95 s with forgeline's bounded waits; configs/environment.py). A lock whose lease
+# ended was left by a holder that died or lost the registry: a waiter breaks it by renaming it to
+# NAME.promotion-lock.expired-<holder's token>. That name is unique per holder, so of two waiters
+# that found the same expired lock one renames it and the other fails; and it stays a lease
+# longer, so a waiter that read the expired lock cannot, within the lease, rename the next
+# holder's lock in its stead. Clocks of the hosts are assumed to agree to well within the lease.
+LOCK_SUFFIX = ".promotion-lock"
+LOCK_HOLDER_TAG = "forgeline.lock.holder"  # "<host> pid <pid> token <token>"
+LOCK_EXPIRES_TAG = "forgeline.lock.expires"  # unix time at which the lease ends
+LOCK_LEASE_S = 300.0
+LOCK_WAIT_S = 2 * LOCK_LEASE_S + 60  # a waiter outlasts an expiring lease and a holder after it
+LOCK_POLL_S = 0.5
+
+
+class PromotionLockError(RuntimeError):
+    """The promotion lock could not be taken, or its lease ran out before the decision was
+    recorded; nothing was decided."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    lock: str
+    token: str
+    write_until: float  # time.monotonic(): half the lease after it was taken
+
+    def check(self) -> None:
+        if time.monotonic() > self.write_until:
+            raise PromotionLockError(
+                f"the promotion lock {self.lock} was held for more than half its lease "
+                f"({LOCK_LEASE_S / 2:g} s) before the decision was recorded (a registry that answers "
+                "slowly): it was not recorded, so that no other process can act on the same champion at "
+                "once. Run it again")
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    description: str
+    token: str
+    expires: float
+
+    @classmethod
+    def of(cls, lock: RegisteredModel) -> LockHolder:
+        holder = lock.tags.get(LOCK_HOLDER_TAG, "unknown")
+        try:
+            expires = float(lock.tags.get(LOCK_EXPIRES_TAG, "0"))
+        except ValueError:
+            expires = 0.0  # not a lock forgeline took: it protects nothing
+        return cls(holder, holder.rpartition(" token ")[2], expires)
+
+
+@contextmanager
+def promotion_lock(client: MlflowClient, model_name: str) -> Iterator[Lease]:
+    """Held by one process at a time, across hosts, for the registry at `client`."""
+    lease = acquire(client, model_name + LOCK_SUFFIX)
+    try:
+        remove_expired_tombstones(client, lease.lock)
+        yield lease
+    finally:
+        release(client, lease)
+
+
+def acquire(client: MlflowClient, lock: str) -> Lease:
+    waited_until = time.monotonic() + LOCK_WAIT_S
+    while True:
+        token = uuid.uuid4().hex
+        taken = time.monotonic()
+        holder = f"{socket.gethostname()} pid {os.getpid()} token {token}"
+        try:
+            client.create_registered_model(lock, tags={LOCK_HOLDER_TAG: holder,
+                                                       LOCK_EXPIRES_TAG: f"{time.time() + LOCK_LEASE_S:.3f}"},
+                                           description="forgeline's promotion lock (tasks/promote.py)")
+            return Lease(lock, token, taken + LOCK_LEASE_S / 2)
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        found = lock_holder(client, lock)
+        if found is None:
+            continue  # released meanwhile
+        if found.token == token:  # our create landed, its answer did not (a retried request)
+            return Lease(lock, token, taken + LOCK_LEASE_S / 2)
+        if found.expires < time.time():
+            break_lock(client, lock, found)
+            continue
+        if time.monotonic() > waited_until:
+            raise PromotionLockError(
+                f"the promotion lock {lock} in the registry at {client.tracking_uri} is held by "
+                f"{found.description} until {time.ctime(found.expires)}, and was held for the last "
+                f"{LOCK_WAIT_S:g} s: if no process is promoting, delete that registered model; then run "
+                "it again")
+        log.info("waiting for the promotion lock %s, held by %s", lock, found.description)
+        time.sleep(LOCK_POLL_S)
+
+
+def lock_holder(client: MlflowClient, lock: str) -> LockHolder | None:
+    try:
+        return LockHolder.of(client.get_registered_model(lock))
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+
+
+def tombstone_of(lock: str, token: str) -> str:
+    return f"{lock}.expired-{token}"
+
+
+def break_lock(client: MlflowClient, lock: str, holder: LockHolder) -> None:
+    """Remove the expired lock of `holder`, unless another waiter did (see LOCK_SUFFIX)."""
+    try:
+        client.rename_registered_model(lock, tombstone_of(lock, holder.token))
+    except MlflowException as err:
+        if err.error_code in ("RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST"):
+            return  # another waiter broke it first
+        raise
+    log.warning("broke the promotion lock %s: the lease of %s ended at %s", lock, holder.description,
+                time.ctime(holder.expires))
+
+
+def remove_expired_tombstones(client: MlflowClient, lock: str) -> None:
+    """The broken locks whose lease ended more than a lease ago: no waiter can still act on them."""
+    for model in client.search_registered_models(f"name LIKE '{tombstone_of(lock, '')}%'"):
+        if model.name.startswith(tombstone_of(lock, "")) and \
+                LockHolder.of(model).expires + LOCK_LEASE_S < time.time():
+            try:
+                client.delete_registered_model(model.name)
+            except MlflowException as err:
+                if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+
+
+def release(client: MlflowClient, lease: Lease) -> None:
+    """Delete the lock while it is surely ours (in the first half of its lease); later, or when the
+    registry does not answer, it is left to expire."""
+    if time.monotonic() > lease.write_until:
+        return
+    try:
+        client.delete_registered_model(lease.lock)
+    except MlflowException as err:
+        log.warning("could not release the promotion lock %s (%s): it expires in %g s", lease.lock,
+                    str(err).splitlines()[0][:300], LOCK_LEASE_S)

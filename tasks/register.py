@@ -45,7 +45,7 @@ from forgeline.model.inference import load_from_checkpoint
 from forgeline.tasks.atomic import write_text_atomic
 from forgeline.tasks.evaluate import ITEMS_NAME, read_eval_metrics
 from forgeline.tasks.pretrained import COMPLETE, INCOMPLETE, REGISTRATION_TAG, is_complete
-from forgeline.tasks.promote import aliased, promote, recorded_decision
+from forgeline.tasks.promote import PromotionLockError, aliased, promote, recorded_decision
 from forgeline.tasks.tracking import DATA_VERSION_TAG, RunTracker, dvc_hash
 from forgeline.tasks.train.job import read_train_summary
 
@@ -126,12 +126,13 @@ def register_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> R
     try:
         decided = recorded_decision(registry.get_model_version(registered.model_name, registered.version))
         decided = decided or promote(cfg, registry, registered.version).describe()
-    except MlflowException as err:
+    except (MlflowException, PromotionLockError, requests.RequestException, OSError) as err:
+        # An outage is never a decision: none is recorded, and the rerun decides.
         raise RegistrationError(
             f"{registered.model_name} version {registered.version} is registered in the registry at {uri} "
             f"and complete (@{CANDIDATE_ALIAS}), but the promotion gate could not decide on it "
-            f"({first_line(err)}): rerun the register stage (it registers nothing new) or "
-            f"`forgeline promote --version {registered.version}` once the registry answers") from err
+            f"({first_line(err)}): no decision was recorded. Rerun the register stage (it registers nothing "
+            f"new) or `forgeline promote --version {registered.version}` once the registry answers") from err
     return replace(registered, promotion=decided)
 
 

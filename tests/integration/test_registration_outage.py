@@ -5,7 +5,8 @@ was marked complete. The register stage fails saying so, and the half-registered
 by nothing (not as base, candidate or champion). The server comes back on the same store; the
 rerun completes that version instead of registering another, and a rerun after that registers
 nothing. A failure while the registry answers deletes the incomplete version and puts the
-`candidate` alias back."""
+`candidate` alias back. An outage while the promotion gate reads a candidate's per-item results
+is an error, never a recorded decision: the rerun decides."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,7 @@ from mlflow.exceptions import MlflowException
 from forgeline.configs import Config
 from forgeline.configs.schema import ConfigError
 from forgeline.flows.cli import main
+from forgeline.tasks import compare
 from forgeline.tasks.pretrained import (
     CACHE_ENV,
     COMPLETE,
@@ -170,7 +172,7 @@ def test_a_registration_cut_off_by_an_outage_is_completed_by_the_rerun(
         tags = version.tags
         assert tags[REGISTRATION_TAG] == COMPLETE and len(tags[REGISTRATION_KEY_TAG]) == 64
         assert {DATA_VERSION_TAG, "forgeline.checkpoint_step", "eval.overall"} <= tags.keys()
-        assert tags[DECISION_TAG] == "promoted"
+        assert tags[DECISION_TAG] == "promoted: no champion before"
         assert str(aliased(client, name, CANDIDATE_ALIAS).version) == "1"
         assert str(aliased(client, name, CHAMPION_ALIAS).version) == "1"
         champion = debug_config(tmp_path, f"model.init_from=models:/{name}@{CHAMPION_ALIAS}",
@@ -180,7 +182,7 @@ def test_a_registration_cut_off_by_an_outage_is_completed_by_the_rerun(
         # A rerun of a complete registration registers nothing, and the gate does not decide again.
         again = run_stage(stage_named("register"), cfg, force=True)
         assert (again.version, again.run_id) == ("1", version.run_id)
-        assert again.promotion == f"{name} version 1 was decided on before: promoted"
+        assert again.promotion == f"{name} version 1 was decided on before: promoted: no champion before"
         assert [str(v.version) for v in client.search_model_versions(f"name = '{name}'")] == ["1"]
         assert client.get_model_version(name, "1").tags == tags
 
@@ -218,3 +220,56 @@ def test_a_failure_while_the_registry_answers_leaves_nothing_registered(
     assert str(aliased(client, name, CANDIDATE_ALIAS).version) == "3"
     assert register(cfg, force=True) == "3"
     assert len(client.search_model_versions(f"name = '{name}'")) == 2
+
+
+def test_an_outage_while_the_gate_reads_the_items_is_an_error_and_the_rerun_decides(
+        tmp_path: Path, trained: Path, data_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in FAST_FAILING.items():
+        monkeypatch.setenv(key, value)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = tmp_path / "server"
+    server.mkdir()
+    first = evaluated(tmp_path, trained, data_root, "eval1", "a", f"registry.tracking_uri={url}", math=0.3,
+                      code=0.3)
+    better = evaluated(tmp_path, trained, data_root, "eval2", "b", f"registry.tracking_uri={url}", math=0.9,
+                       code=0.9)
+    name = first.registry.model_name
+
+    # The fault: a short outage -- the server dies as the gate reads the candidate's items, and is
+    # back before a decision could be recorded.
+    real_run_items = compare.run_items
+    outages = []
+
+    def read_during_an_outage(client, run_id):
+        if outages:
+            return real_run_items(client, run_id)
+        kill(process)
+        outages.append(run_id)
+        try:
+            return real_run_items(client, run_id)
+        finally:
+            servers.enter_context(mlflow_server(server, port))
+
+    with ExitStack() as servers:
+        process = servers.enter_context(mlflow_server(server, port))
+        assert register(first) == "1"
+        with monkeypatch.context() as patch:
+            patch.setattr(compare, "run_items", read_during_an_outage)
+            with pytest.raises(RegistrationError) as failure:
+                register(better)
+        message = str(failure.value)
+        assert message.startswith(f"{name} version 2 is registered in the registry at {url} and complete "
+                                  f"(@{CANDIDATE_ALIAS}), but the promotion gate could not decide on it ("), \
+            message
+        assert "no decision was recorded. Rerun the register stage" in message
+        client = MlflowClient(url, url)
+        assert outages == [client.get_model_version(name, "2").run_id]  # the candidate's items
+        assert DECISION_TAG not in client.get_model_version(name, "2").tags
+        assert str(aliased(client, name, CHAMPION_ALIAS).version) == "1"
+
+        # The registry answers again: the rerun registers nothing new and decides.
+        assert register(better) == "2"
+        assert client.get_model_version(name, "2").tags[DECISION_TAG].startswith(
+            "promoted: versus version 1; overall +0.")
+        assert str(aliased(client, name, CHAMPION_ALIAS).version) == "2"
