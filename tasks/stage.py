@@ -1,8 +1,10 @@
 """The pipeline's stages, each defined once, here, by a `Stage` record.
 
-A record says what a stage reads (config sections, code, upstream outputs, a snapshot of inputs
-from outside the repository), where it writes, what it computes and how it is tracked. Every
-other view of a stage derives from it:
+A record says what a stage reads (config sections, upstream outputs, a snapshot of inputs from
+outside the repository, the pretrained base by content), where it writes, what it computes and
+how it is tracked. Its code is not listed but derived from the record's references: the modules
+they import or start, transitively, and the package files those read (tasks/code_inputs.py).
+Every other view of a stage derives from it:
 
 - the stage cache's key and the outputs it verifies (tasks/cache.py);
 - the tracked run of a stage -- preflight checks, the MLflow params of its sections, the plain
@@ -26,8 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from forgeline.configs import Config
-
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the checkout of an editable install
+from forgeline.tasks.code_inputs import PACKAGE_ROOT, code_files, collapsed
 
 
 def resolve(reference: str) -> Any:
@@ -75,14 +76,49 @@ class Snapshot:
     """Config field of the directory it writes."""
     params: tuple[str, ...]
     """Dotted config keys it reads (its DVC params)."""
-    code: tuple[str, ...]
-    """Source files it runs (its DVC deps), relative to the checkout."""
     preflight: str
     """(cfg) -> None: fails before any work if an input cannot be read."""
     take: str
     """(cfg) -> summary: takes the snapshot."""
     check: str
     """(cfg) -> None: fails unless the snapshot there is intact and was taken for this config."""
+
+    @property
+    def code(self) -> tuple[str, ...]:
+        """Its DVC deps: the code its functions import (tasks/code_inputs.py)."""
+        return collapsed(code_files((self.preflight, self.take, self.check)))
+
+
+@dataclass(frozen=True)
+class BaseStamp:
+    """The pretrained base of `model.init_from` by content: what the reference resolves to now (a
+    registry alias moved to another version, a Hugging Face directory rewritten in place, another
+    GGUF file at the path). Its identity is part of the cache key of each stage that reads the
+    base (`Stage.reads_base`). DVC cannot see it: dvc.yaml has an always-changed stage write it to
+    a small stamp file -- byte-identical while the base is the same, so nothing after it reruns --
+    which those stages depend on. `forgeline stage train --base-only` runs only this step."""
+
+    name: str
+    """Its DVC stage."""
+    beside: str
+    """Config field of the directory the stamp is written beside: `<directory><suffix>`."""
+    suffix: str
+    params: tuple[str, ...]
+    """Dotted config keys it reads (its DVC params)."""
+    identity: str
+    """(cfg) -> dict: the base's identity, the same bytes for the same base."""
+
+    def path(self, cfg: Config) -> Path:
+        return Path(f"{cfg.value(self.beside)}{self.suffix}")
+
+    @property
+    def code(self) -> tuple[str, ...]:
+        """Its DVC deps: the code its function imports (tasks/code_inputs.py)."""
+        return collapsed(code_files((self.identity,)))
+
+
+BASE = BaseStamp(name="base", beside="train.out_dir", suffix=".base.json", params=("model.init_from",),
+                 identity="forgeline.tasks.pretrained:base_identity")
 
 
 @dataclass(frozen=True)
@@ -92,9 +128,6 @@ class Stage:
     """One line: the README's stage table, the flow's and the deployment's description."""
     sections: tuple[str, ...]
     """Config sections it computes from: its DVC params and the config part of its cache key."""
-    code: tuple[str, ...]
-    """Source files and folders it runs, relative to the checkout: its DVC deps and the code part
-    of its cache key."""
     reads: tuple[Upstream, ...]
     """Upstream outputs it reads: DVC deps, the upstream part of its cache key, what
     `--upstream-run` takes from an earlier run, and what must exist before it starts."""
@@ -128,19 +161,40 @@ class Stage:
     files verify."""
     report: str | None = None
     """(result) -> Markdown: a Prefect artifact of each run."""
+    reads_base: bool = False
+    """It computes from the pretrained base (`model.init_from`): the base's identity, by content,
+    is part of its cache key, and under DVC the base stamp is its dep (BaseStamp)."""
 
     def out_dir(self, cfg: Config) -> Path:
         return Path(cfg.value(self.output))
 
+    @property
+    def entry_points(self) -> tuple[str, ...]:
+        """The references of the record, its snapshot's too (taken or checked in its run): what a
+        run of the stage imports first."""
+        snapshot = (self.snapshot.preflight, self.snapshot.take, self.snapshot.check) if self.snapshot else ()
+        return tuple(reference for reference in (
+            self.function, self.record, self.preflight, self.result_type, self.still_valid, self.external,
+            self.report, self.gives_up_on, *snapshot) if reference is not None)
+
+    @property
+    def code_files(self) -> tuple[str, ...]:
+        """Every file it runs or reads from the package: the modules its entry points import or
+        start, transitively, and the package files they read (tasks/code_inputs.py)."""
+        return code_files(self.entry_points)
+
+    @property
+    def code(self) -> tuple[str, ...]:
+        """`code_files` with folders whose every file is among them named instead (its DVC deps,
+        the README's code column): the same files."""
+        return collapsed(self.code_files)
+
     def code_hash(self) -> str:
-        """sha256 over its source files (relative path and bytes, in sorted order)."""
+        """sha256 over its code files (relative path and bytes, in sorted order): the code part
+        of its cache key."""
         digest = hashlib.sha256()
-        for entry in self.code:
-            root = PACKAGE_ROOT / entry
-            files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()
-                                                          and "__pycache__" not in p.parts)
-            for path in files:
-                digest.update(str(path.relative_to(PACKAGE_ROOT)).encode() + b"\0" + path.read_bytes())
+        for name in self.code_files:
+            digest.update(name.encode() + b"\0" + (PACKAGE_ROOT / name).read_bytes())
         return digest.hexdigest()
 
     def done_marker(self, cfg: Config) -> Path:
@@ -158,7 +212,6 @@ STAGES = (
         summary="sources -> raw snapshot -> cleaning and dedup -> tokenizer -> packed, checksummed shards",
         sections=("data",),
         params=("model.init_from",),  # a run from a base tokenizes with the base's tokenizer
-        code=("tasks/data", "tasks/pretrained.py", "model/training/shards.py"),
         reads=(),
         output="data.out_dir",
         outputs=(Output(persist=True),),  # a rebuild of the same inputs rewrites nothing
@@ -167,11 +220,11 @@ STAGES = (
         function="forgeline.tasks.data.build:build_stage",
         record="forgeline.tasks.data.build:record_data",
         preflight="forgeline.tasks.data.build:preflight_tokenizer",
+        reads_base=True,  # its tokenizer, by content
         snapshot=Snapshot(
             name="sources",
             output="data.raw_dir",
             params=("data.sources",),
-            code=("tasks/data/sources.py", "tasks/data/snapshot.py"),
             preflight="forgeline.tasks.data.sources:preflight_sources",
             take="forgeline.tasks.data.snapshot:take_snapshot",
             check="forgeline.tasks.data.snapshot:check_snapshot",
@@ -181,9 +234,6 @@ STAGES = (
         name="train",
         summary="torchrun on the named DeviceMesh (PP x FSDP2/HSDP x TP) to a committed DCP checkpoint",
         sections=("model", "parallel", "train", "checkpoint"),
-        code=("model", "tasks/train/job.py", "tasks/train/launch.py", "tasks/train/slurm.py",
-              "tasks/train/alerts.py", "tasks/train/curves.py",
-              "tasks/pretrained.py"),
         reads=(Upstream("data"),),
         output="train.out_dir",
         outputs=(Output(persist=True),),  # a rerun resumes from its checkpoints
@@ -194,13 +244,13 @@ STAGES = (
         preflight="forgeline.tasks.train.job:preflight_train",
         retries="train.job_retries",
         gives_up_on="forgeline.model.training.callbacks:TrainingUnstable",
+        reads_base=True,  # starts from its weights; a new base is trained from, not resumed
     ),
     Stage(
         name="eval",
         summary="lm-eval with the `forgeline` model class on the offline suite, scored per capability "
                 "dimension",
         sections=("eval",),
-        code=("eval", "tasks/evaluate.py"),
         reads=(Upstream("data"), Upstream("train")),
         output="eval.out_dir",
         outputs=(Output("lm_eval_results.json"), Output("report.json"), Output("items.json"), Output("tasks"),
@@ -212,13 +262,13 @@ STAGES = (
         record="forgeline.tasks.evaluate:record_eval",
         preflight="forgeline.tasks.evaluate:preflight_eval",
         report="forgeline.tasks.evaluate:EvalResult.markdown",
+        reads_base=True,  # scores the base beside the run
     ),
     Stage(
         name="register",
         summary="a pyfunc MLflow model version over the Hugging Face export, aliased `candidate`; "
                 "the promotion gate moves `champion`",
         sections=("registry",),
-        code=("tasks/register.py", "tasks/promote.py", "tasks/compare.py", "eval/scores.py", "model/hf.py"),
         # Not items.json: it changes with the suite's fingerprint (any eval code change) while the
         # scores stay; registering again then would add a version of identical scores. The gate
         # reads it all the same, and re-evaluates a champion whose fingerprint differs.

@@ -25,8 +25,9 @@ from forgeline.model.checkpoint.manager import read_checkpoint_manifest
 from forgeline.model.fileio import sha256_file
 from forgeline.model.training.loader import ShardedSampleLoader
 from forgeline.model.training.shards import read_manifest, split_shards
+from forgeline.tasks.cache import CACHE_TAG
 from forgeline.tasks.data.build import build_dataset, train_tokenizer
-from forgeline.tasks.pretrained import CACHE_ENV
+from forgeline.tasks.pretrained import CACHE_ENV, resolve_base
 from forgeline.tasks.register import HFGenerator
 from forgeline.tasks.runner import STAGE_TAG, run_stage
 from forgeline.tasks.stage import stage_named
@@ -283,7 +284,7 @@ def test_a_continued_run_is_evaluated_beside_its_base_and_its_version_serves(
     monkeypatch.setattr(evaluate, "ForgelineLM", lambda **kwargs: loads.append(kwargs) or real_lm(**kwargs))
     again = evaluate.evaluate_model(cfg)
     # One model loaded: the run's; the base's scores come from the cache.
-    assert [set(kwargs) - {"batch_size"} for kwargs in loads] == [{"checkpoint", "tokenizer"}]
+    assert [set(kwargs) - {"batch_size"} for kwargs in loads] == [{"checkpoint", "tokenizer", "max_length"}]
     assert again.base_dimensions == result.base_dimensions and cached.is_file()
 
     registered = run_stage(stage_named("register"), cfg)
@@ -318,6 +319,63 @@ def test_a_registered_version_is_a_base_with_its_version_as_lineage(base_dir: Pa
     assert Path(result.base["path"]).is_relative_to(root / "cache" / "bases" / "models")
     assert train_run(cfg, result).data.tags["forgeline.parent_model_version"] == version
 
+
+
+def register_base(directory: Path, name: str) -> str:
+    """`directory` registered as register.py registers a model (the pyfunc's `hf` artifact); its
+    version."""
+    with mlflow.start_run():
+        info = mlflow.pyfunc.log_model(name="model", python_model=HFGenerator(),
+                                       artifacts={"hf": str(directory)}, pip_requirements=["torch"],
+                                       registered_model_name=name)
+    return str(info.registered_model_version)
+
+
+def last_train_run(cfg: Config):  # noqa: ANN201 (an mlflow Run)
+    client = MlflowClient(resolve_tracking_uri(cfg))
+    [latest] = client.search_runs([client.get_experiment_by_name("forgeline-debug").experiment_id],
+                                  f"tags.`{STAGE_TAG}` = 'train'", max_results=1,
+                                  order_by=["attributes.start_time DESC"])
+    return latest
+
+
+@pytest.mark.slow
+def test_a_moved_alias_retrains_from_the_new_base_and_an_unmoved_one_is_a_cache_hit(
+        base_dir: Path, root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """models:/NAME@ALIAS moved to another version -- other weights, the same tokenizer and
+    shape, `model.init_from` unchanged: the train stage's cache key holds the weights' sha256, so
+    it runs again, and starts from the new base instead of resuming the checkpoints of the old
+    one. While the alias stays, the stage is a cache hit."""
+    monkeypatch.setenv(CACHE_ENV, str(root / "cache"))
+    cfg = config(root, "models:/moving-base@champion", "moving", "train.steps=1")
+    mlflow.set_tracking_uri(resolve_tracking_uri(cfg))
+    other = tmp_path / "other"
+    shutil.copytree(base_dir, other)  # its tokenizer: the data's
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig.from_pretrained(base_dir)).save_pretrained(other)
+    first_version, other_version = register_base(base_dir, "moving-base"), register_base(other, "moving-base")
+    client = MlflowClient()
+    client.set_registered_model_alias("moving-base", "champion", first_version)
+
+    first = run_stage(stage_named("train"), cfg)
+    assert first.base["model_version"] == f"moving-base/{first_version}"
+    assert last_train_run(cfg).data.tags[CACHE_TAG] == "miss"
+    assert run_stage(stage_named("train"), cfg) == first
+    assert last_train_run(cfg).data.tags[CACHE_TAG] == "hit"
+
+    client.set_registered_model_alias("moving-base", "champion", other_version)
+    caplog.set_level("INFO")
+    moved = run_stage(stage_named("train"), cfg)
+    tags = last_train_run(cfg).data.tags
+    assert tags[CACHE_TAG] == "miss" and tags[f"{CACHE_TAG}.reason"] == "changed: base"
+    assert moved.base["model_version"] == f"moving-base/{other_version}"
+    assert moved.base["weights_sha256"] == resolve_base(cfg).sha256 != first.base["weights_sha256"]
+    assert tags["forgeline.parent_model_version"] == f"moving-base/{other_version}"
+    log = "\n".join(record.getMessage() for record in caplog.records)
+    assert "started from the base models:/moving-base@champion" in log and "resumed from" not in log
+    assert read_checkpoint_manifest(Path(moved.checkpoint))["base"] == moved.base
+    assert moved.loss != first.loss  # another model's first step
 
 
 def test_a_forgeline_checkpoint_is_a_base(single: tuple[Config, TrainResult], root: Path) -> None:

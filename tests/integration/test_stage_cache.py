@@ -5,6 +5,9 @@ decision is recorded on the stage's MLflow run."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,8 @@ from forgeline.tasks.cache import CACHE_SOURCE_TAG, CACHE_TAG, stamp_path
 from forgeline.tasks.runner import STAGE_TAG, run_stage
 from forgeline.tasks.stage import stage_named
 from forgeline.tasks.tracking import resolve_tracking_uri
-from tests.conftest import debug_config
+from tests.conftest import debug_config, output_overrides
+from tests.unit.test_code_inputs import package_copy, touch
 
 pytestmark = pytest.mark.integration
 
@@ -66,3 +70,29 @@ def test_the_data_stage_is_skipped_only_while_inputs_and_outputs_are_unchanged(t
     (tmp_path / "corpus" / "0.txt").write_text("Document 0, rewritten. " + "Words upon words. " * 60)
     run_stage(stage_named("data"), changed)
     assert last_data_run(cfg).data.tags[f"{CACHE_TAG}.reason"] == "changed: sources"
+
+
+def test_a_stage_reruns_when_a_module_only_its_helpers_import_changes(tmp_path: Path) -> None:
+    """The data stage run by a copy of the package: model/hf.py, which tasks/pretrained.py imports
+    and no stage record names, gets one more line; the next run misses the cache on its code."""
+    package = package_copy(tmp_path / "code")
+    overrides = output_overrides(tmp_path) + [small_corpus(tmp_path), "data.val_fraction=0.3"]
+    script = ("from forgeline.configs.environment import apply_environment_defaults\n"
+              "apply_environment_defaults()\n"
+              "from forgeline.configs import load_config\n"
+              "from forgeline.tasks.runner import run_stage\n"
+              "from forgeline.tasks.stage import stage_named\n"
+              f"run_stage(stage_named('data'), load_config('debug.yaml', {overrides!r}))\n")
+
+    def run_data_stage() -> None:
+        env = os.environ | {"PYTHONPATH": str(package.parent)}
+        done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, timeout=600,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-4000:]
+
+    cfg = debug_config(tmp_path)
+    run_data_stage()
+    assert last_data_run(cfg).data.tags[CACHE_TAG] == "miss"
+    touch(package / "model" / "hf.py")
+    run_data_stage()
+    assert last_data_run(cfg).data.tags[f"{CACHE_TAG}.reason"] == "changed: code"

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from forgeline.configs import load_config
 from forgeline.flows.cli import build_parser, main
-from forgeline.tasks.stage import PACKAGE_ROOT, STAGE_NAMES, STAGES, Stage, resolve, stage_named
+from forgeline.tasks.stage import BASE, PACKAGE_ROOT, STAGE_NAMES, STAGES, Stage, resolve, stage_named
 from tests.conftest import REPO_ROOT, debug_config
+from tests.unit.test_pretrained import TINY, save_base
 
 
 def test_dvc_yaml_prefect_yaml_and_the_readme_table_are_what_the_records_render(
@@ -42,8 +45,9 @@ def test_every_reference_of_a_record_resolves(stage: Stage) -> None:
                       stage.report, stage.gives_up_on):
         assert reference is None or callable(resolve(reference)), reference
     assert list(inspect.signature(resolve(stage.function)).parameters) == ["cfg", "run", "parent"]
-    for path in stage.code + (stage.snapshot.code if stage.snapshot else ()):
+    for path in stage.code + (stage.snapshot.code if stage.snapshot else ()) + BASE.code:
         assert (PACKAGE_ROOT / path).exists(), path
+    assert callable(resolve(BASE.identity))
     assert all(section in type(cfg).model_fields for section in stage.sections)
     assert isinstance(cfg.value(stage.output), str)
     assert stage.retries is None or isinstance(cfg.value(stage.retries), int)
@@ -79,11 +83,52 @@ def test_the_cache_key_is_the_records_inputs(tmp_path: Path) -> None:
                                          f"{cfg.eval.out_dir}/metrics.json"}
     assert register["external"]["tracking_uri"].startswith("sqlite:///")
     data = stage_inputs(stage_named("data"), cfg)
-    assert set(data) == {"config", "code", "upstream", "sources", "params"}
+    assert set(data) == {"config", "code", "upstream", "sources", "params", "base"}
     # The data stage also reads model.init_from (the base's tokenizer), no other model key.
-    assert stage_inputs(stage_named("data"), debug_config(tmp_path, "model.init_from=/base")) != data
+    base = save_base(tmp_path / "base")
+    assert stage_inputs(stage_named("data"), debug_config(tmp_path, f"model.init_from={base}")) != data
     assert stage_inputs(stage_named("data"), debug_config(tmp_path, "model.dim=128")) == data
     # Every key of a stage's sections is a param, as in dvc.yaml, where outputs go included.
     moved = debug_config(tmp_path, f"eval.out_dir={tmp_path / 'elsewhere'}")
     assert moved.section_hash("eval") != cfg.section_hash("eval")
     assert moved.content_hash("eval") == cfg.content_hash("eval")
+
+
+def test_the_base_is_in_the_key_of_the_stages_that_read_it_by_content(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """A Hugging Face directory rewritten in place, `model.init_from` unchanged: the key of data,
+    train and eval changes, and so does the stamp dvc.yaml's base stage writes (`forgeline stage
+    train --base-only`), which stays untouched -- same inode, same mtime -- while the base is the
+    same."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from forgeline.tasks.cache import stage_inputs
+
+    base = save_base(tmp_path / "base")
+    cfg = debug_config(tmp_path, f"model.init_from={base}")
+    for name in ("data", "train"):  # what the stages read must exist to be hashed
+        stage_named(name).done_marker(cfg).parent.mkdir(parents=True)
+    Path(cfg.data.raw_dir).mkdir()
+    reading = [stage for stage in STAGES if stage.reads_base]
+    assert [stage.name for stage in reading] == ["data", "train", "eval"]
+    before = {stage.name: stage_inputs(stage, cfg)[BASE.name] for stage in reading}
+    assert before["train"]["init_from"] == str(base) and len(before["train"]["weights_sha256"]) == 64
+
+    stamp = BASE.path(cfg)
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    assert main(["stage", "train", "--base-only", "--config", str(config_file)]) == 0
+    assert json.loads(stamp.read_text()) == before["train"] and "(written)" in capsys.readouterr().out
+    unchanged = stamp.stat()
+    assert main(["stage", "train", "--base-only", "--config", str(config_file)]) == 0
+    assert "unchanged, not rewritten" in capsys.readouterr().out
+    assert (stamp.stat().st_ino, stamp.stat().st_mtime_ns) == (unchanged.st_ino, unchanged.st_mtime_ns)
+
+    torch.manual_seed(1)  # other weights, the same shape and tokenizer, at the same path
+    LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True)).save_pretrained(base)
+    after = {stage.name: stage_inputs(stage, cfg)[BASE.name] for stage in reading}
+    assert all(after[name]["weights_sha256"] != before[name]["weights_sha256"] for name in after)
+    assert main(["stage", "train", "--base-only", "--config", str(config_file)]) == 0
+    assert json.loads(stamp.read_text()) == after["train"]
+    assert main(["stage", "register", "--base-only", "--config", str(config_file)]) == 2
+    assert "--base-only is for data, train, eval" in capsys.readouterr().err

@@ -1,0 +1,154 @@
+"""A stage's code inputs, derived from the source rather than listed: the modules of the
+forgeline package that its entry points import, transitively -- every import statement, those
+inside functions and under TYPE_CHECKING too, and the package `__init__.py` files an import runs
+-- and the modules a stage starts as processes of their own, named by a literal
+`"-m", "forgeline.X"` in an argument list (the rank program torchrun runs, the in-training
+evaluation), or imports by a literal name (`importlib.import_module("forgeline.X")`). Importing
+a module counts whether or not the stage calls into it: a superset costs a rerun, a module missed
+would leave a stale output in place.
+
+Files a module reads from the package rather than imports are listed here, by module
+(PACKAGE_DATA): a stage that imports the module depends on every file under them, and on what
+the Python files among them import.
+
+Paths are relative to the checkout (PACKAGE_ROOT), as dvc.yaml names them. This module is light
+(the standard library only): the CLI imports the records, which derive their code from it.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from collections.abc import Iterable
+from pathlib import Path
+
+PACKAGE = "forgeline"
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the checkout of an editable install
+PACKAGE_DATA = {
+    # render_suite copies the task templates and the hook modules lm-eval loads from beside them
+    # (`!function`), which import forgeline themselves (forgeline_code.py: the sandbox).
+    "forgeline.eval.suite": ("eval/tasks",),
+}
+"""Files and folders of the package that a module reads, by module name, relative to the
+checkout. A module that opens a file of the package (importlib.resources, Path(__file__)) must
+be listed: tests/unit/test_code_inputs.py fails on one that is not."""
+
+
+def module_file(module: str) -> Path | None:
+    """The source file of a module of the package (None: no such module, or none of ours)."""
+    package, *parts = module.split(".")
+    if package != PACKAGE or not parts:
+        return None
+    stem = PACKAGE_ROOT.joinpath(*parts)
+    for candidate in (stem.parent / f"{stem.name}.py", stem / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def imports_of(path: Path, module: str) -> frozenset[str]:
+    """The names of forgeline modules the source of `module` at `path` imports or starts. A
+    name may be a module's attribute (`from forgeline.x import name`): names that are no module
+    are dropped by `code_files`."""
+    stat = path.stat()
+    return _imports_of(str(path), module, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=1024)
+def _imports_of(path: str, module: str, mtime_ns: int, size: int) -> frozenset[str]:
+    """Parsed once per version of a file: a stage's code is derived on every cache decision."""
+    names: set[str] = set()
+    is_package = path.endswith("__init__.py")
+    for node in ast.walk(ast.parse(Path(path).read_bytes(), path)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            origin = absolute(node, module, is_package)
+            names.add(origin)
+            names.update(f"{origin}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.List | ast.Tuple):
+            names.update(started_modules(node.elts))
+        elif isinstance(node, ast.Call) and imported_by_name(node):
+            names.add(node.args[0].value)
+    return frozenset(name for name in names if name.split(".")[0] == PACKAGE)
+
+
+def absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The module a `from ... import` statement imports from, relative ones resolved."""
+    if node.level == 0:
+        return node.module or ""
+    package = module.split(".")
+    anchor = package[:len(package) - node.level + is_package]
+    return ".".join(anchor + ([node.module] if node.module else []))
+
+
+def imported_by_name(call: ast.Call) -> bool:
+    """Whether `call` is importlib.import_module("a.literal.name")."""
+    function = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
+    return (function == "import_module" and bool(call.args) and isinstance(call.args[0], ast.Constant)
+            and isinstance(call.args[0].value, str))
+
+
+def started_modules(elements: list[ast.expr]) -> Iterable[str]:
+    """X of each `"-m", "X"` pair in a literal list: a module started as a process."""
+    for flag, name in zip(elements, elements[1:], strict=False):
+        if (isinstance(flag, ast.Constant) and flag.value == "-m" and isinstance(name, ast.Constant)
+                and isinstance(name.value, str)):
+            yield name.value
+
+
+def with_packages(module: str) -> list[str]:
+    """`module` and the packages above it, which importing it runs: a.b.c -> a.b, a.b.c."""
+    parts = module.split(".")
+    return [".".join(parts[:end]) for end in range(2, len(parts) + 1)]
+
+
+def code_files(entry_points: Iterable[str]) -> tuple[str, ...]:
+    """Every file a stage runs or reads from the package, sorted: the modules of its entry points
+    (`module:attribute` references or module names) and what they import or start, transitively,
+    with the files they read (PACKAGE_DATA)."""
+    todo = [reference.partition(":")[0] for reference in entry_points]
+    seen: set[str] = set()
+    files: set[Path] = set()
+    while todo:
+        for module in with_packages(todo.pop()):
+            if module in seen or (path := module_file(module)) is None:
+                continue
+            seen.add(module)
+            files.add(path)
+            todo.extend(imports_of(path, module))
+            for data in PACKAGE_DATA.get(module, ()):
+                for read in package_files(PACKAGE_ROOT / data):
+                    files.add(read)
+                    if read.suffix == ".py":  # loaded as a module of its own: what it imports
+                        todo.extend(imports_of(read, read.stem))
+    return tuple(sorted(str(path.relative_to(PACKAGE_ROOT)) for path in files))
+
+
+def package_files(root: Path) -> list[Path]:
+    """The files at `root` (a file or a directory) that DVC hashes: all but what .dvcignore
+    leaves out (__pycache__/, *.pyc)."""
+    if root.is_file():
+        return [root]
+    return [path for path in root.rglob("*") if path.is_file() and "__pycache__" not in path.parts
+            and path.suffix != ".pyc"]
+
+
+def collapsed(files: Iterable[str]) -> tuple[str, ...]:
+    """`files` with each directory all of whose files are among them named instead of its files
+    (the largest such directories): dvc.yaml's deps and the README's code column, shorter to
+    read and meaning the same files."""
+    used = set(files)
+    return tuple(_collapse(PACKAGE_ROOT, used))
+
+
+def _collapse(directory: Path, used: set[str]) -> list[str]:
+    entries: list[str] = []
+    for child in sorted(directory.iterdir()):
+        name = str(child.relative_to(PACKAGE_ROOT))
+        if child.is_file() and name in used:
+            entries.append(name)
+        elif child.is_dir() and any(file.startswith(f"{name}/") for file in used):
+            inside = {str(path.relative_to(PACKAGE_ROOT)) for path in package_files(child)}
+            entries += [name] if inside <= used else _collapse(child, used)
+    return entries
