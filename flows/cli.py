@@ -3,6 +3,7 @@
     forgeline run [--config PATH] [--set section.key=value ...] [--force]
     forgeline stage {data,train,eval,register} [--config PATH] [--set ...] [--upstream-run RUN_ID] [--force]
     forgeline stage data [--snapshot-only | --from-snapshot] [...]
+    forgeline stage train --base-only [...]   (the identity of the base, for dvc.yaml)
     forgeline status [--config PATH] [--set ...] [--json]   (which stages would run, and why)
     forgeline stages [--write | --check] [--root DIR]   (the stage records; dvc.yaml, prefect.yaml)
     forgeline config show [--config PATH] [--set ...] [--docs]
@@ -17,7 +18,8 @@
 
 Each verb is one function; `main` is the one place that turns an error into an exit status:
 2 for input that cannot be used (reported before any work), 1 for work that failed. Work that
-finished while the Prefect API was gone ends 0 with a warning (`StateNotReported`).
+finished while the Prefect API was gone ends 0 with a warning (`StateNotReported`). SIGTERM or
+SIGHUP stops the work in order and ends 128 + the signal's number (`Terminated`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,9 +41,9 @@ import yaml
 from forgeline.configs import Config, ConfigError, load_config
 from forgeline.configs.environment import apply_environment_defaults
 from forgeline.configs.loader import config_docs
-from forgeline.configs.redaction import install_log_scrubber
+from forgeline.configs.redaction import install_log_scrubber, scrub
 from forgeline.configs.schema import ACTIVATION_CHECKPOINT_MODES
-from forgeline.tasks.stage import STAGE_NAMES, STAGES, Stage, resolve, stage_named
+from forgeline.tasks.stage import BASE, STAGE_NAMES, STAGES, Stage, resolve, stage_named
 
 if TYPE_CHECKING:  # imports Prefect: the CLI imports it only for the verbs that run flows
     from forgeline.flows.orchestrator import PendingStates
@@ -93,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("--from-snapshot", action="store_true",
                        help="build from the snapshot already there, reading no source. Fails if it is "
                             "missing, damaged or taken for another config")
+    steps.add_argument("--base-only", action="store_true",
+                       help="only write the identity of the pretrained base of model.init_from (the "
+                            f"sha256 of its weights and tokenizer) to <{BASE.beside}>{BASE.suffix}, "
+                            "rewritten only if it changed; no Prefect flow or MLflow run (dvc.yaml's "
+                            "base stage)")
     status = verbs.add_parser(
         "status", help="which stages would run now, and why",
         description="For each stage, in order: whether it would be skipped (its inputs and outputs are "
@@ -241,6 +251,15 @@ def add_plan_parser(verbs: argparse._SubParsersAction) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     apply_environment_defaults()  # before anything imports Prefect, MLflow, datasets or transformers
+    with termination_signals_stop_the_work():
+        try:
+            return run_command(argv)
+        except Terminated as stopped:
+            print(f"forgeline: {stopped}", file=sys.stderr)
+            return stopped.code
+
+
+def run_command(argv: list[str]) -> int:
     if argv[:1] == ["lm-eval"]:
         return run_lm_eval(argv[1:])
     parser = build_parser()
@@ -255,14 +274,70 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return VERBS[args.verb](args)
     except StateNotReported as unreported:
-        print(f"forgeline: {'warning: ' if unreported.completed else ''}{unreported}", file=sys.stderr)
+        print(scrub(f"forgeline: {'warning: ' if unreported.completed else ''}{unreported}"), file=sys.stderr)
         return 0 if unreported.completed else 1
     except WorkFailed as failed:
-        print(f"forgeline: {failed}", file=sys.stderr)
+        print(scrub(f"forgeline: {failed}"), file=sys.stderr)
         return 1
     except unusable_input_errors() as err:
-        print(f"forgeline: {getattr(err, 'message', None) or err}", file=sys.stderr)
+        print(scrub(f"forgeline: {getattr(err, 'message', None) or err}"), file=sys.stderr)
         return 2
+
+
+TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Terminated(SystemExit):
+    """A termination signal (SIGTERM: a Kubernetes eviction, `timeout`, systemd; SIGHUP: the
+    terminal went away), raised in the main thread as KeyboardInterrupt is for SIGINT, so that
+    the work stops through its `finally` blocks and context managers -- torchrun's ranks get
+    SIGTERM and train.preemption_grace_s to save their step (tasks/train/launch.py) -- and the
+    interpreter exits normally: what Prefect and Dask started in this process, the temporary
+    Prefect API server and a local cluster, they stop at interpreter exit only, which the
+    signal's default action skips. A SystemExit: no `except Exception` on the way takes it for a
+    failure of the work, and it ends the process with 128 + the signal's number, as the signal
+    would have, wherever it is raised."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signal = signal.Signals(signum)
+
+    def __str__(self) -> str:
+        return (f"stopped by {self.signal.name}: the work was stopped in order, its finished stages kept "
+                "(a rerun skips them, and training resumes from its last saved step)")
+
+
+@contextmanager
+def termination_signals_stop_the_work() -> Iterator[None]:
+    """Within the block, the first SIGTERM or SIGHUP raises `Terminated` in the main thread; later
+    ones are only logged, so that a second signal does not cut short the stopping it started
+    (the ranks' grace period, the servers' shutdown). The previous handlers come back after the
+    block, unless a signal came: the process is then on its way out, and its exit (where Prefect
+    and Dask stop what they started) must not be cut short either. Inside a flow run Prefect's
+    engine holds SIGTERM (prefect.utilities.engine.capture_sigterm): it raises its own
+    TerminationSignal, to the same effect, and sends the signal again as the flow run ends, to
+    this handler then. Only the main thread can install handlers: elsewhere (a caller's thread)
+    the block runs with the process's own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[signal.Signals] = []
+
+    def terminate(signum: int, frame: object) -> None:
+        if received:
+            logging.getLogger(__name__).warning("%s received while stopping after %s: the stopping goes on",
+                                                signal.Signals(signum).name, received[0].name)
+            return
+        received.append(signal.Signals(signum))
+        raise Terminated(signum)
+
+    previous = {signum: signal.signal(signum, terminate) for signum in TERMINATION_SIGNALS}
+    try:
+        yield
+    finally:
+        if not received:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 class WorkFailed(Exception):
@@ -321,6 +396,8 @@ def rerun_stage(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # read once: the flow takes it as it is
     if args.snapshot_only:
         return take_snapshot_only(stage, cfg)
+    if args.base_only:
+        return write_base_only(stage, cfg)
     from forgeline.tasks.runner import preflight, upstream_outputs
 
     if args.upstream_run:
@@ -392,6 +469,18 @@ def unreported_message(record: PendingStates, err: Exception, stages: tuple[Stag
             f"{err}): flow run {record.flow_run_id} ({record.flow_name}) stays Running there until "
             f"`forgeline sync`, or the next flow run from this directory, reports it "
             f"{record.state.capitalize()} once the API is back.")
+
+
+def write_base_only(stage: Stage, cfg: Config) -> int:
+    """The base stamp alone (dvc.yaml's always-changed base stage): resolves the base, hashes it."""
+    if not stage.reads_base:
+        raise ValueError(f"stage {stage.name} does not read the base; --base-only is for "
+                         f"{', '.join(s.name for s in STAGES if s.reads_base)}")
+    from forgeline.tasks.cache import write_base_stamp
+
+    written = write_base_stamp(cfg)
+    print(f"{BASE.name}: {BASE.path(cfg)} ({'written' if written else 'unchanged, not rewritten'})")
+    return 0
 
 
 def take_snapshot_only(stage: Stage, cfg: Config) -> int:

@@ -1,19 +1,89 @@
 """Shared fixtures: every test runs on the debug config (configs/debug.yaml) with all outputs
-redirected into a temporary directory, against a real local MLflow store."""
+redirected into a temporary directory, against a real local MLflow store. A session that leaves
+a process behind fails, naming it (`no_process_left_behind`)."""
 
 from __future__ import annotations
 
+import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from forgeline.configs.environment import apply_environment_defaults
+from tests.processes import SESSION_ENV, describe, started_by_this_process, still_there, stop
 
 apply_environment_defaults()  # forgeline's offline and telemetry defaults, before any test imports
 
 from forgeline.configs import Config, load_config  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def mark_session() -> str:
+    """Give this session's processes a mark of their own: SESSION_ENV, inherited by everything
+    started from here on. A pytest-xdist worker's is its controller's with its id appended
+    ("RUN/gw0"; the controller sets its own before starting the workers), so that each checks
+    its own processes and the controller all of them."""
+    inherited = os.environ.get(SESSION_ENV)
+    own = os.environ.get("PYTEST_XDIST_WORKER") or uuid.uuid4().hex[:12]
+    os.environ[SESSION_ENV] = f"{inherited}/{own}" if inherited else own
+    return os.environ[SESSION_ENV]
+
+
+SESSION = mark_session()
+# Time for a process on its way out (a server answering SIGTERM) to go before it counts as left.
+LEFTOVER_GRACE_S = 15
+
+
+def leftovers() -> list[psutil.Process]:
+    """What this session started that is still running."""
+    return still_there(lambda: started_by_this_process(SESSION_ENV, SESSION), LEFTOVER_GRACE_S)
+
+
+def leftover_report(processes: list[psutil.Process]) -> str:
+    lines = "\n".join(f"  {describe(process)}" for process in processes)
+    return (f"{len(processes)} process(es) this test session started are still running ({SESSION_ENV}="
+            f"{SESSION}); stopped now. A test or fixture that starts a process must stop it:\n{lines}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    """After the session's last test and every other fixture: no process it started is left, an
+    error of the last test's teardown otherwise (under pytest-xdist, per worker)."""
+    yield
+    if found := leftovers():
+        report = leftover_report(found)
+        stop(found)
+        pytest.fail(report, pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def local_dask_clusters_closed(no_process_left_behind: None) -> Iterator[None]:
+    """A data build run in the test process keeps its local Dask cluster for the life of the
+    process (tasks/data/executor.py), so that the next one need not start workers again: for the
+    session, then, closed at its end before `no_process_left_behind` looks."""
+    yield
+    from forgeline.tasks.data.executor import close_local_clusters
+
+    close_local_clusters()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The controller of pytest-xdist workers checks once they are gone (xdist stops them in its
+    own pytest_sessionfinish): what a worker left behind when it exited, the fixture of a worker
+    that crashed; without xdist, anything started after the last fixture's teardown."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not (found := leftovers()):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    reporter.ensure_newline()
+    reporter.write_sep("=", "processes left behind", red=True)
+    reporter.write_line(leftover_report(found))
+    stop(found)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def output_overrides(root: Path) -> list[str]:

@@ -73,15 +73,18 @@ def _pump(proc: subprocess.Popen, logger: logging.Logger, tail: collections.dequ
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the group, give it `grace_s` to exit, then SIGKILL whatever is left of it
-    (torchrun's workers included, even when torchrun itself is already gone)."""
+    """SIGTERM the group, give it `grace_s` to exit, then SIGKILL whatever is left of it. The
+    ranks torchrun starts are in sessions of their own, out of the group's reach, but they die
+    with torchrun (model/training/worker.py arms their parent-death signal). An interruption of
+    the grace period (a second termination signal) cuts it short, never the SIGKILL."""
     _signal_group(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
-    _signal_group(proc.pid, signal.SIGKILL)
-    proc.wait()
+    finally:
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
