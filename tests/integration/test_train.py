@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -20,6 +20,7 @@ from forgeline.tasks.stage import stage_named
 from forgeline.tasks.tracking import resolve_tracking_uri
 from forgeline.tasks.train.job import train_model
 from tests.conftest import debug_config
+from tests.processes import descendants
 
 pytestmark = pytest.mark.integration
 
@@ -70,9 +71,10 @@ def test_killed_rank_is_restarted_and_resumes_from_the_latest_checkpoint(
     deadline = time.monotonic() + 120
     while not first_checkpoint.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
-    workers = [p for p in psutil.process_iter(["cmdline"])
-               if "forgeline.model.training.worker" in " ".join(p.info["cmdline"] or [])
-               and "torch.distributed.run" not in " ".join(p.info["cmdline"] or [])]
+    # This test's own ranks: another test file runs beside this one (make test's -n 2).
+    workers = [p for p in descendants(os.getpid())
+               if "forgeline.model.training.worker" in " ".join(p.cmdline())
+               and "torch.distributed.run" not in " ".join(p.cmdline())]
     assert first_checkpoint.exists() and len(workers) == 1
     workers[0].kill()  # SIGKILL, mid-run
     trainer.join(timeout=300)
