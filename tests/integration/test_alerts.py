@@ -53,7 +53,7 @@ def test_alerts_post_to_the_block_naming_rank_and_host_once_per_kind_per_interva
                        "checkpoint.every_steps=10", "train.peak_tflops=1", "parallel.dp_shard=2",
                        "train.hang_timeout_s=5", "ops.notify_block=custom-webhook/alerts",
                        "ops.alert_interval_s=3600", faults(tmp_path))
-    with prefect_test_harness():
+    with prefect_test_harness(server_startup_timeout=180):  # 30 s by default: too short on 2 busy cores
         block = CustomWebhookNotificationBlock(name="forgeline", url=url, allow_private_urls=True,
                                                json_data={"subject": "{{subject}}", "body": "{{body}}"})
         block.save("alerts")

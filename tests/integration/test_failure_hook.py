@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_a_failed_stage_flow_posts_to_the_configured_block(tmp_path: Path,
                                                            webhook: tuple[str, list[dict]]) -> None:
     url, received = webhook
-    with prefect_test_harness():
+    with prefect_test_harness(server_startup_timeout=180):  # 30 s by default: too short on 2 busy cores
         CustomWebhookNotificationBlock(name="forgeline", url=url, allow_private_urls=True,
                                        json_data={"text": "{{subject}} | {{body}}"}).save("alerts")
         # No train output under tmp_path: the eval stage fails.
