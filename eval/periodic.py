@@ -8,7 +8,8 @@ ranks never wait for it:
 Every score comes with its standard error, computed from each item's value as the eval stage
 computes it (eval/scores.py `item_stderr`: closed form for a mean, a seeded bootstrap over the
 items for another aggregation), and named as the eval stage names it on the pipeline's run:
-`eval/<task>/<metric>` beside `eval/stderr/<task>/<metric>`.
+`eval/<task>/<metric>` beside `eval/stderr/<task>/<metric>`. As in the eval stage, the tasks of
+instruction following are asked through the tokenizer's chat template where it has one.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def score_tasks(lm: LM, tasks: list[str], limit: int | None, task_manager: TaskM
     import lm_eval
     from lm_eval.tasks import get_task_dict
 
+    from forgeline.eval.dimensions import is_chat_task
     from forgeline.eval.scores import flatten_scores, item_stderrs
 
     def leaves(tree: dict) -> Iterator[Task]:  # a group's tasks
@@ -63,8 +65,14 @@ def score_tasks(lm: LM, tasks: list[str], limit: int | None, task_manager: TaskM
 
     task_dict = get_task_dict(tasks, task_manager)
     aggregations = {task.config.task: task.aggregation() for task in leaves(task_dict)}
-    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=task_manager,
-                                      log_samples=True, bootstrap_iters=0)
+    assistant = bool(lm.chat_template(True))
+    results: dict[str, dict] = {"results": {}, "samples": {}}
+    for chat in (False, True):
+        if group := [task for task in tasks if (assistant and is_chat_task(task)) == chat]:
+            done = lm_eval.simple_evaluate(model=lm, tasks=group, limit=limit, task_manager=task_manager,
+                                           log_samples=True, bootstrap_iters=0, apply_chat_template=chat)
+            results["results"] |= done["results"]
+            results["samples"] |= done["samples"]
     scores = flatten_scores(results["results"])
     stderrs = item_stderrs(results["samples"], aggregations)
     return scores | {f"stderr/{name}": se for name, se in stderrs.items() if name in scores}

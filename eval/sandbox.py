@@ -196,15 +196,17 @@ def isolation() -> Isolation:
         try:
             result = _run(candidate, _PROBE, Limits(timeout_s=30.0), None)
         except OSError as e:  # e.g. the interpreter is missing
-            failures.append(f"{candidate}: {e}")
+            failures.append((candidate, str(e)))
             continue
         if result.passed:
             weak = not candidate.namespaces or (os.geteuid() == 0 and candidate.uid is None)
+            tried = "; ".join(f"{level}: {why.splitlines()[-1]}" for level, why in failures)
             (log.warning if weak else log.info)("sandbox isolation: %s (stronger levels failed: %s)",
-                                                candidate, "; ".join(failures) or "none")
+                                                candidate, tried or "none")
             return candidate
-        failures.append(f"{candidate}: {result.stderr.strip()[-300:] or result.returncode}")
-    raise SandboxError("no sandbox level can run a trivial Python program:\n" + "\n".join(failures))
+        failures.append((candidate, result.stderr.strip()[-300:] or str(result.returncode)))
+    raise SandboxError("no sandbox level can run a trivial Python program:\n"
+                       + "\n".join(f"{level}: {why}" for level, why in failures))
 
 
 def _env(home: Path) -> dict[str, str]:

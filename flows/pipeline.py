@@ -1,4 +1,5 @@
-"""The pipeline flow: every stage in order (tasks/stage.py), under one MLflow parent run; and the
+"""The pipeline flow: every stage of the config's pipeline in order (tasks/stage.py: data -> train
+or sft -> eval -> register), under one MLflow parent run; and the
 flow that reproduces a recorded run."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from forgeline.configs.redaction import credentials_masked_in_errors
 from forgeline.flows.hooks import flow_config, notify_failure, prefect_tags
 from forgeline.flows.orchestrator import final_states_recorded, forget_reported_states
 from forgeline.flows.stage_flows import configured_task
-from forgeline.tasks.reproduce import REPRODUCED_STAGES, REPRODUCES_TAG
-from forgeline.tasks.stage import STAGES
+from forgeline.tasks.reproduce import REPRODUCES_TAG, reproduced_stages
+from forgeline.tasks.stage import pipeline_stages
 from forgeline.tasks.tracking import run_name, tracked_run
 
 
@@ -45,7 +46,7 @@ def pipeline_flow(config: Config | str | None = None, overrides: list[str] | Non
     with (credentials_masked_in_errors(), final_states_recorded() as states,
           tracked_run(cfg, run_name("pipeline", cfg, with_layout=True), tags=prefect_tags()) as parent):
         results = {stage.name: states.run(configured_task(stage, cfg), cfg, parent.run_id, force)
-                   for stage in STAGES}
+                   for stage in pipeline_stages(cfg)}
         states.message = f"MLflow run {parent.run_id}"
     registered, evaluation = results["register"], results["eval"]
     return PipelineResult(run_id=parent.run_id, model_name=registered.model_name,
@@ -67,6 +68,6 @@ def reproduce_flow(config: str, overrides: list[str], reproduces: str) -> tuple[
     with (credentials_masked_in_errors(), final_states_recorded() as states,
           tracked_run(cfg, run_name("reproduce", cfg, with_layout=True), tags=tags) as parent):
         results = {stage.name: states.run(configured_task(stage, cfg), cfg, parent.run_id, True)
-                   for stage in STAGES if stage.name in REPRODUCED_STAGES}
+                   for stage in reproduced_stages(cfg)}
         states.message = f"MLflow run {parent.run_id}"
     return parent.run_id, results["eval"].metrics

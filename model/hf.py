@@ -26,9 +26,6 @@ permuted alike.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,7 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from forgeline.configs.schema import ModelConfig
-from forgeline.model.fileio import fsync_path
+from forgeline.model.fileio import new_directory
 from forgeline.model.init import canonical_name
 from forgeline.model.llama import Transformer
 
@@ -96,14 +93,25 @@ def _heads(name: str, shape: ModelConfig) -> int | None:
     return None
 
 
+def hf_name(name: str, shape: ModelConfig) -> str:
+    """The Hugging Face name of the forgeline parameter `name`."""
+    return _hf_names(shape)[name]
+
+
+def rows_to_hf(name: str, w: torch.Tensor, shape: ModelConfig) -> torch.Tensor:
+    """`w`, the weight `name` or a tensor whose rows are that weight's output rows (a LoRA B,
+    model/lora.py), with its rows in the Hugging Face order."""
+    heads = _heads(name, shape)
+    return w if heads is None else _interleaved_to_half(w, heads)
+
+
 def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     """A full (unsharded) forgeline model's weights under `LlamaForCausalLM` names."""
-    ours = model.state_dict()
-    out = {}
-    for name, hf_name in _hf_names(model.shape).items():
-        heads = _heads(name, model.shape)
-        out[hf_name] = ours[name] if heads is None else _interleaved_to_half(ours[name], heads)
-    return out
+    ours, names = model.state_dict(), _hf_names(model.shape)
+    if unplaced := [name for name in ours if name not in names]:
+        raise ValueError(f"{unplaced[0]} has no place in a LlamaForCausalLM: merge LoRA adapters into "
+                         "their weights first (model/lora.py merge_lora)")
+    return {hf: rows_to_hf(name, ours[name], model.shape) for name, hf in names.items()}
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], shape: ModelConfig) -> dict[str, torch.Tensor]:
@@ -157,29 +165,17 @@ def export_hf(model: Transformer, tokenizer_dir: str | Path, out_dir: Path) -> P
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} exists and is not empty; remove it or export elsewhere")
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
     if len(tokenizer) > model.shape.vocab_size:
         raise ValueError(f"tokenizer {tokenizer_dir} has {len(tokenizer)} tokens but the model's "
                          f"vocab_size is {model.shape.vocab_size}")
     config = hf_config(model.shape, tokenizer)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0o700 would make the export private to this user
-    try:
+    with new_directory(out_dir) as tmp:
         weights = {k: v.detach().float().cpu().contiguous() for k, v in to_hf_state_dict(model).items()}
         save_file(weights, tmp / HF_WEIGHTS, metadata={"format": "pt"})
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty (checked above); rmdir fails if something appeared since
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_path(out_dir.parent)
     log.info("exported Hugging Face Llama model to %s", out_dir)
     return out_dir
 
@@ -295,7 +291,9 @@ def load_hf_weights(parts: list[nn.Module], directory: Path, shape: ModelConfig)
     names = _hf_names(shape)
     for part in parts:
         # named_parameters lists a shared (tied) parameter once, under the embedding's name.
-        state = {names[canonical_name(name)]: param for name, param in part.named_parameters()}
+        # LoRA adapters (model/lora.py) are no weights of the base: they keep their initialization.
+        state = {names[canonical_name(name)]: param for name, param in part.named_parameters()
+                 if canonical_name(name) in names}
         dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
 
 
@@ -307,18 +305,11 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
 
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     shape = model_shape_from_hf(AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with new_directory(out_dir) as tmp:
         model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
                                                      torch_dtype=torch.float32)
         model.hf_quantizer = None  # the weights are dequantized: save them as plain fp32
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name).save_pretrained(tmp)
         check_hf_weights(tmp, shape)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_path(out_dir.parent)
     return out_dir

@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from forgeline.configs.schema import ModelConfig
+from forgeline.configs.schema import LoraConfig, ModelConfig
 from forgeline.model.checkpoint.manager import load_model_weights, read_checkpoint_manifest
 from forgeline.model.llama import KVCache, Transformer
+from forgeline.model.lora import apply_lora, export_peft_adapter, merge_lora
 
 BUNDLE_WEIGHTS = "model.safetensors"
 BUNDLE_SHAPE = "model_args.json"  # the model's shape (ModelConfig); the name of the first bundles
@@ -32,11 +33,38 @@ def checkpoint_shape(checkpoint: str | Path) -> ModelConfig:
     return ModelConfig(**read_checkpoint_manifest(Path(checkpoint))["model_args"])
 
 
-def load_from_checkpoint(checkpoint: str | Path, device: torch.device | str = "cpu") -> Transformer:
+def load_from_checkpoint(checkpoint: str | Path, device: torch.device | str = "cpu",
+                         merge_adapters: bool = True) -> Transformer:
+    """The checkpoint's model. A LoRA run's checkpoint (its manifest's `lora`) holds adapters
+    beside the frozen weights: folded into them (model/lora.py merge_lora), or kept as such
+    with `merge_adapters=False`."""
     checkpoint = Path(checkpoint)
     model = _materialized(checkpoint_shape(checkpoint), device)
+    lora = checkpoint_lora(checkpoint)
+    if lora:
+        apply_lora(model, lora)
     load_model_weights(model, checkpoint)
+    if lora and merge_adapters:
+        merge_lora(model)
     return model.eval()
+
+
+def checkpoint_lora(checkpoint: str | Path) -> LoraConfig | None:
+    """The adapters a checkpoint holds (model/lora.py), None for a plain model."""
+    lora = read_checkpoint_manifest(Path(checkpoint)).get("lora")
+    return LoraConfig(**lora) if lora else None
+
+
+def export_checkpoint_adapter(checkpoint: str | Path, out_dir: Path) -> Path | None:
+    """A LoRA run's checkpoint's adapters as a `peft` adapter directory; None (nothing written)
+    for a checkpoint without adapters. Its base is recorded as the run's base (its uri)."""
+    manifest = read_checkpoint_manifest(Path(checkpoint))
+    if not manifest.get("lora"):
+        return None
+    model = load_from_checkpoint(checkpoint, merge_adapters=False)
+    base = manifest.get("base")
+    return export_peft_adapter(model, LoraConfig(**manifest["lora"]), out_dir,
+                               base_model=base and base["uri"])
 
 
 def save_bundle(model: Transformer, out_dir: Path) -> None:
@@ -57,7 +85,7 @@ def load_bundle(bundle_dir: str | Path, device: torch.device | str = "cpu") -> T
 class PackedLinear(nn.Module):
     """An nn.Linear for inference on the CPU computed by oneDNN with its weight reordered once
     into oneDNN's blocked layout, rather than by the default (MKL) GEMM on the plain weight.
-    On the 2-core AVX-512 machine of the README's results: the tiny model's vocabulary
+    On the 2-core AVX-512 machine of bench/README.md: the tiny model's vocabulary
     projection at the 10 rows of a decoding step 2.7x faster, whole-sequence forwards ~10%
     (bench/eval). Results are the plain layer's to fp32 rounding. The original weight stays,
     so the state dict (and an export from it) is unchanged; the packed copy is taken once, so

@@ -9,16 +9,28 @@ from typing import Any
 
 import yaml
 
-from forgeline.tasks.code_inputs import collapsed
-from forgeline.tasks.stage import BASE, STAGES, BaseStamp, Output, Snapshot, Stage, stage_named
+from forgeline.configs import load_config
+from forgeline.tasks.code_inputs import PACKAGE_ROOT, collapsed
+from forgeline.tasks.stage import (
+    BASE,
+    STAGES,
+    BaseStamp,
+    Output,
+    Snapshot,
+    Stage,
+    pipeline_stages,
+    stage_named,
+)
 
 PARAMS_FILE = "configs/tiny.yaml"  # the config `dvc repro` runs, and its params file
-DVC_HEADER = f"""\
+DVC_HEADER = """\
 # Generated from the stage records (tasks/stage.py) by `forgeline stages --write`; edit those.
+# (`forgeline stages --dvc CONFIG` prints the same for another config: a fine-tuning one's has
+# sft in place of train.)
 # The stages for `dvc repro`: each runs `forgeline stage NAME` on {PARAMS_FILE}, and its deps,
 # outs and params come from that config (DVC templating through `vars`), so the Prefect pipeline
 # and DVC agree on where every artifact lives -- and forgeline's stage cache decides as `dvc
-# repro` does (README: Stage caching). The data stage is two here: `sources` snapshots the raw
+# repro` does (docs/caching.md). The data stage is two here: `sources` snapshots the raw
 # inputs into data.raw_dir (`--snapshot-only`), `data` builds from that snapshot
 # (`--from-snapshot`). `sources` always runs: the packaged corpora and datasets it reads live
 # outside the repository, so only reading them tells whether they changed (`dvc status`
@@ -47,23 +59,23 @@ def template(field: str, path: str = "") -> str:
     return f"${{{field}}}/{path}" if path else f"${{{field}}}"
 
 
-def dvc_stages() -> dict[str, dict[str, Any]]:
-    """dvc.yaml's `stages`, in pipeline order."""
+def dvc_stages(params_file: str, pipeline: tuple[Stage, ...]) -> dict[str, dict[str, Any]]:
+    """dvc.yaml's `stages` for the config `params_file`, whose pipeline they are, in order."""
     stages: dict[str, dict[str, Any]] = {}
-    for stage in STAGES:
+    for stage in pipeline:
         if stage.reads_base and BASE.name not in stages:
-            stages[BASE.name] = base_entry(BASE)
+            stages[BASE.name] = base_entry(BASE, params_file, pipeline)
         if stage.snapshot is not None:
-            stages[stage.snapshot.name] = snapshot_entry(stage, stage.snapshot)
-        stages[stage.name] = stage_entry(stage)
+            stages[stage.snapshot.name] = snapshot_entry(stage, stage.snapshot, params_file)
+        stages[stage.name] = stage_entry(stage, params_file)
     return stages
 
 
-def snapshot_entry(stage: Stage, snapshot: Snapshot) -> dict[str, Any]:
-    return {"cmd": f"forgeline stage {stage.name} --config {PARAMS_FILE} --snapshot-only",
+def snapshot_entry(stage: Stage, snapshot: Snapshot, params_file: str) -> dict[str, Any]:
+    return {"cmd": f"forgeline stage {stage.name} --config {params_file} --snapshot-only",
             "always_changed": True,
             "deps": list(snapshot.code),
-            "params": [{PARAMS_FILE: list(snapshot.params)}],
+            "params": [{params_file: list(snapshot.params)}],
             "outs": [{template(snapshot.output): {"persist": True}}]}
 
 
@@ -71,26 +83,26 @@ def base_stamp_template(base: BaseStamp) -> str:
     return f"{template(base.beside)}{base.suffix}"
 
 
-def base_entry(base: BaseStamp) -> dict[str, Any]:
-    """Run by the stage whose output the stamp is beside (train), with --base-only."""
-    [owner] = [stage for stage in STAGES if stage.output == base.beside]
-    return {"cmd": f"forgeline stage {owner.name} --config {PARAMS_FILE} --base-only",
+def base_entry(base: BaseStamp, params_file: str, pipeline: tuple[Stage, ...]) -> dict[str, Any]:
+    """Run by the stage whose output the stamp is beside (train, or sft), with --base-only."""
+    [owner] = [stage for stage in pipeline if stage.output == base.beside]
+    return {"cmd": f"forgeline stage {owner.name} --config {params_file} --base-only",
             "always_changed": True,
             "deps": list(base.code),
-            "params": [{PARAMS_FILE: list(base.params)}],
+            "params": [{params_file: list(base.params)}],
             "outs": [{base_stamp_template(base): {"cache": False, "persist": True}}]}
 
 
-def stage_entry(stage: Stage) -> dict[str, Any]:
+def stage_entry(stage: Stage, params_file: str) -> dict[str, Any]:
     flag = " --from-snapshot" if stage.snapshot else ""
     deps = [template(stage_named(read.stage).output, read.path) for read in stage.reads]
     if stage.snapshot is not None:
         deps.append(template(stage.snapshot.output))
     if stage.reads_base:
         deps.append(base_stamp_template(BASE))
-    entry: dict[str, Any] = {"cmd": f"forgeline stage {stage.name} --config {PARAMS_FILE}{flag}",
+    entry: dict[str, Any] = {"cmd": f"forgeline stage {stage.name} --config {params_file}{flag}",
                              "deps": deps + list(stage.code),
-                             "params": [{PARAMS_FILE: [*stage.sections, *stage.params]}]}
+                             "params": [{params_file: [*stage.sections, *stage.params]}]}
     for kind, key in (("out", "outs"), ("metric", "metrics"), ("plot", "plots")):
         listed = [output_entry(stage, output) for output in stage.outputs if output.kind == kind]
         if listed:
@@ -106,9 +118,12 @@ def output_entry(stage: Stage, output: Output) -> str | dict[str, Any]:
     return {path: options} if options else path
 
 
-def render_dvc_yaml() -> str:
-    body = {"vars": [PARAMS_FILE], "stages": dvc_stages(), "plots": [LOSS_CURVE]}
-    return DVC_HEADER + yaml.safe_dump(body, sort_keys=False, width=100)
+def render_dvc_yaml(params_file: str = PARAMS_FILE) -> str:
+    """dvc.yaml for the config `params_file`, a path relative to the repository root (DVC's
+    working directory): its pipeline's stages, pretraining or fine-tuning."""
+    pipeline = pipeline_stages(load_config(str(PACKAGE_ROOT / params_file)))
+    body = {"vars": [params_file], "stages": dvc_stages(params_file, pipeline), "plots": [LOSS_CURVE]}
+    return DVC_HEADER.format(PARAMS_FILE=params_file) + yaml.safe_dump(body, sort_keys=False, width=100)
 
 
 TABLE_BEGIN = "<!-- stage table: `forgeline stages --write` renders it from tasks/stage.py -->"

@@ -14,10 +14,11 @@ every output -- `base/...` and `versus_base/...` (the run's score minus the base
 the shared items) in
 metrics.json and MLflow, `base` and `versus_base` in report.json, the base's bars beside the
 run's in the chart. The base is scored as the run is (Scoring): with the run's data tokenizer
-and in windows of the run's context, so that identical weights score identically. A base's
-scores are cached under $FORGELINE_CACHE/evals by its weights' sha256, the scoring (the
-tokenizer's files, the window) and the suite's fingerprint (eval/suite.py), so the runs
-continued from one base evaluate it once.
+and in windows of the run's context, so that identical weights score identically; where that
+tokenizer has a chat template (an sft run's), both are asked the instruction-following prompts
+through it. A base's scores are cached under $FORGELINE_CACHE/evals by its weights' sha256, the
+scoring (the tokenizer's files, its chat template among them, the window) and the suite's
+fingerprint (eval/suite.py), so the runs continued from one base evaluate it once.
 
 Output (`eval.out_dir`): `report.json` (scores per dimension and task, with intervals),
 `metrics.json` (flat, standard errors under `stderr/`; the DVC metrics file),
@@ -35,16 +36,21 @@ import json
 import logging
 import math
 import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import lm_eval
+import lm_eval.evaluator
+from lm_eval.loggers.utils import get_commit_from_path
 from lm_eval.tasks import TaskManager
 from matplotlib.figure import Figure
 
 from forgeline.configs import Config
 from forgeline.configs.schema import DimensionConfig, EvalConfig
-from forgeline.eval.dimensions import DIMENSION_TASKS, TaskScore, task_score
+from forgeline.eval.dimensions import CHAT_DIMENSIONS, DIMENSION_TASKS, TaskScore, task_score
 from forgeline.eval.lm import ForgelineLM
 from forgeline.eval.scores import (
     Z95,
@@ -71,7 +77,8 @@ REPORT_NAME = "report.json"
 RESULTS_NAME = "lm_eval_results.json"
 ITEMS_NAME = "items.json"
 CHART_NAME = "dimensions.png"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja")
 
 
 @dataclass(frozen=True)
@@ -384,22 +391,55 @@ def score_model(model_args: dict[str, str | int], batch_size: int, plan: Plan,
     return scored
 
 
+def as_assistant(lm: lm_eval.api.model.LM, dimension: str) -> bool:
+    """Whether `dimension`'s prompts go through `lm`'s chat template: a chat dimension
+    (eval/dimensions.py CHAT_DIMENSIONS) on a model whose tokenizer has one."""
+    return dimension in CHAT_DIMENSIONS and bool(lm.chat_template(True))
+
+
 def score_lm(lm: lm_eval.api.model.LM, plan: Plan, task_manager: TaskManager) -> ModelScores:
     """Every planned task on `lm`, each item's value logged."""
     scored = ModelScores(raw={}, items={})
-    for name, (scores, dcfg) in plan.items():
-        log.info("evaluating %s: %s (limit %s, %d-shot)", name, ", ".join(s.task for s in scores),
-                 dcfg.limit, dcfg.num_fewshot)
-        results = lm_eval.simple_evaluate(
-            model=lm, tasks=[s.task for s in scores], num_fewshot=dcfg.num_fewshot, limit=dcfg.limit,
-            task_manager=task_manager, log_samples=True, bootstrap_iters=0,
-            random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
-        )
+    for done, (name, (scores, dcfg)) in enumerate(plan.items()):
+        chat = as_assistant(lm, name)
+        log.info("evaluating %s: %s (limit %s, %d-shot%s)", name, ", ".join(s.task for s in scores),
+                 dcfg.limit, dcfg.num_fewshot, ", through the chat template" if chat else "",
+                 extra={"progress": (done, len(plan), name)})
+        with quiet_git_probe():
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=[s.task for s in scores], num_fewshot=dcfg.num_fewshot, limit=dcfg.limit,
+                task_manager=task_manager, log_samples=True, bootstrap_iters=0, apply_chat_template=chat,
+                random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
+            )
         samples = results.pop("samples")
         scored.items |= {s.task: TaskItems.from_samples(samples[s.task], s) for s in scores}
         scored.lm_eval_results[name] = results
         scored.raw |= flatten_scores(results["results"])
     return scored
+
+
+@contextmanager
+def quiet_git_probe() -> Iterator[None]:
+    """lm-eval records the working directory's git commit in its results by running `git
+    describe` there with its stderr on the console: outside a repository, "fatal: not a git
+    repository" once per call. Within the block it runs so with that stderr discarded; the value
+    it records is the same."""
+    probe = lm_eval.evaluator.get_git_commit_hash
+
+    def quiet() -> str | None:
+        try:
+            done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=30)
+            if done.returncode == 0:
+                return done.stdout.strip()
+        except (FileNotFoundError, subprocess.TimeoutExpired):
+            pass
+        return get_commit_from_path(os.getcwd())  # lm-eval's own fallback
+
+    lm_eval.evaluator.get_git_commit_hash = quiet
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = probe
 
 
 def scores_cache_file(model: dict[str, str], model_args: dict[str, str | int], suite: str, plan: Plan,

@@ -1,6 +1,7 @@
 """Register stage: export the trained model as a Hugging Face Llama directory, log it to MLflow
 as a pyfunc text generator over that export (what `mlflow models serve` and
-`mlflow.pyfunc.load_model` load) and register it as a new version of `registry.model_name`,
+`mlflow.pyfunc.load_model` load; a row's input is a `prompt`, or `messages` that the export's
+chat template renders) and register it as a new version of `registry.model_name`,
 tagged with its lineage and eval scores.
 
 Registration is all-or-nothing and idempotent. A version is created with its registration key
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import numpy as np
 import pandas as pd
 import requests
 import torch
@@ -34,14 +36,15 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.models.signature import ModelSignature
-from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
+from mlflow.types.schema import Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forgeline.configs import Config
+from forgeline.eval.chat import end_of_turn_id, render_chat
 from forgeline.model.checkpoint.manager import MANIFEST_NAME
 from forgeline.model.fileio import sha256_file
 from forgeline.model.hf import export_hf
-from forgeline.model.inference import load_from_checkpoint
+from forgeline.model.inference import export_checkpoint_adapter, load_from_checkpoint
 from forgeline.tasks.atomic import write_text_atomic
 from forgeline.tasks.evaluate import ITEMS_NAME, read_eval_metrics
 from forgeline.tasks.pretrained import COMPLETE, INCOMPLETE, REGISTRATION_TAG, is_complete
@@ -63,15 +66,35 @@ class RegistrationError(RuntimeError):
 
 
 class HFGenerator(mlflow.pyfunc.PythonModel):
-    """Prompts in, generated continuations out, by transformers' generate on the Hugging Face
-    export (`mlflow models serve`, `pyfunc.load_model`)."""
+    """Prompts or conversations in, generated continuations or replies out, by transformers'
+    generate on the Hugging Face export (`mlflow models serve`, `pyfunc.load_model`). A row's
+    `messages` ([{role, content}]) are rendered by the export's chat template, the assistant's
+    turn opened; generation stops at the end-of-text token and at the template's end-of-turn
+    token (eval/chat.py). A request that mixes the two kinds of row gives each row the other key
+    as null: MLflow's schema check refuses a missing value (NaN) in `messages`."""
 
     def load_context(self, context: Any) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(context.artifacts["hf"]).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(context.artifacts["hf"])
+        end_of_turn = end_of_turn_id(self.tokenizer)
+        self.stop_ids = [self.tokenizer.eos_token_id] + ([end_of_turn] if end_of_turn is not None else [])
+
+    def prompt_text(self, row: dict) -> str:
+        """A row's prompt: its `messages` through the chat template where it has them, else its
+        `prompt`."""
+        messages = row.get("messages")
+        if isinstance(messages, list | tuple | np.ndarray) and len(messages):  # absent: None or NaN
+            conversation = [{"role": m["role"], "content": m["content"]} for m in messages]
+            return render_chat(self.tokenizer, conversation, where="this model's tokenizer")
+        prompt = row.get("prompt")
+        if not isinstance(prompt, str):
+            raise ValueError("each input row needs a `prompt` (a string) or `messages` (a list of "
+                             "{role, content})")
+        return prompt
 
     # No type hints on predict: MLflow would derive a schema from them; SIGNATURE below is the
-    # contract (a DataFrame with a `prompt` column, params max_new_tokens and temperature).
+    # contract (a DataFrame with a `prompt` or a `messages` column, or both, one of them set on
+    # each row; params max_new_tokens and temperature).
     def predict(self, context, model_input, params=None):
         params = params or {}
         temperature = float(params.get("temperature", 0.0))
@@ -79,17 +102,21 @@ class HFGenerator(mlflow.pyfunc.PythonModel):
             {"do_sample": False}
         eos, max_new_tokens = self.tokenizer.eos_token_id, int(params.get("max_new_tokens", 64))
         outputs = []
-        for prompt in model_input["prompt"]:
+        for row in model_input.to_dict(orient="records"):
+            prompt = self.prompt_text(row)
             ids = torch.tensor([self.tokenizer.encode(prompt, add_special_tokens=False) or [eos]])
             with torch.no_grad():
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=eos,
-                                          pad_token_id=eos, max_new_tokens=max_new_tokens, **sampling)
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=eos,
+                                          eos_token_id=self.stop_ids, max_new_tokens=max_new_tokens,
+                                          **sampling)
             outputs.append(self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
         return outputs
 
 
+MESSAGE = Object([Property("role", "string"), Property("content", "string")])
 SIGNATURE = ModelSignature(
-    inputs=Schema([ColSpec("string", "prompt")]),
+    inputs=Schema([ColSpec("string", "prompt", required=False),
+                   ColSpec(Array(MESSAGE), "messages", required=False)]),
     outputs=Schema([ColSpec("string")]),
     params=ParamSchema([ParamSpec("max_new_tokens", "long", 64),
                         ParamSpec("temperature", "double", 0.0)]),
@@ -206,13 +233,16 @@ def create_version(cfg: Config, client: MlflowClient, run: RunTracker, checkpoin
     model = load_from_checkpoint(checkpoint)
     mlflow.set_tracking_uri(uri)
     with tempfile.TemporaryDirectory() as scratch:
-        hf_dir = export_hf(model, tokenizer_dir, Path(scratch) / "hf")
+        hf_dir = export_hf(model, tokenizer_dir, Path(scratch) / "hf")  # LoRA adapters merged
+        artifacts = {"hf": str(hf_dir)}
+        if adapter := export_checkpoint_adapter(checkpoint, Path(scratch) / "peft_adapter"):
+            artifacts["peft_adapter"] = str(adapter)  # and alone, for peft on the base
         try:
             with mlflow.start_run(run_id=run.run_id, nested=True):
                 info = mlflow.pyfunc.log_model(
                     name="model",
                     python_model=HFGenerator(),
-                    artifacts={"hf": str(hf_dir)},
+                    artifacts=artifacts,
                     signature=SIGNATURE,
                     input_example=pd.DataFrame({"prompt": ["ROMEO:"]}),
                     pip_requirements=[f"{package}=={package_version(package)}" for package in

@@ -11,14 +11,19 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from forgeline.tasks.stage import STAGES
+from forgeline.configs import Config
+from forgeline.tasks.stage import STAGES, Stage, pipeline_stages
 from forgeline.tasks.tracking import DATA_VERSION_TAG, git_info
 
 REPRODUCES_TAG = "forgeline.reproduces"
-# What a reproduction reruns: the stages whose outputs it compares (the data version, the eval
-# scores); registering would add a version to the model the run registered.
-REPRODUCED_STAGES = ("data", "train", "eval")
+NOT_REPRODUCED = "register"  # it would add a version to the model the run registered
 EVAL_PREFIX = "eval/"
+
+
+def reproduced_stages(cfg: Config) -> tuple[Stage, ...]:
+    """What a reproduction reruns: the stages of the run's pipeline whose outputs it compares (the
+    data version, the eval scores) -- all but register."""
+    return tuple(stage for stage in pipeline_stages(cfg) if stage.name != NOT_REPRODUCED)
 
 
 class ReproduceError(ValueError):
@@ -73,8 +78,10 @@ def check_code_version(recorded: Recorded) -> None:
 
 
 def output_overrides(root: Path) -> list[str]:
-    """Every stage's output directory (and snapshot) under `root`, named after the stage."""
-    overrides = [f"{stage.output}={root / stage.name}" for stage in STAGES]
+    """Every stage's output directory (and snapshot) under `root`, named after the first stage
+    that writes it (train: sft writes there too)."""
+    directories = {stage.output: root / stage.name for stage in reversed(STAGES)}
+    overrides = [f"{field}={directory}" for field, directory in directories.items()]
     return overrides + [f"{stage.snapshot.output}={root / 'raw'}" for stage in STAGES if stage.snapshot]
 
 

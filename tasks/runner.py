@@ -12,8 +12,16 @@ from mlflow import MlflowClient
 
 from forgeline.configs import Config
 from forgeline.tasks.cache import out_dir_tag, outputs_tag, run_cached
-from forgeline.tasks.stage import Stage, resolve, stage_named
-from forgeline.tasks.tracking import dvc_hash, resolve_tracking_uri, run_name, tracked_run, tracker_for
+from forgeline.tasks.stage import Stage, check_in_pipeline, producer, resolve
+from forgeline.tasks.stage_log import stage_log
+from forgeline.tasks.tracking import (
+    check_tracking_server,
+    dvc_hash,
+    resolve_tracking_uri,
+    run_name,
+    tracked_run,
+    tracker_for,
+)
 
 UPSTREAM_RUN_TAG = "forgeline.upstream_run"
 STAGE_TAG = "forgeline.stage"  # the stage a stage run ran: find runs by it, not by their names
@@ -25,11 +33,14 @@ class MissingInputError(FileNotFoundError):
 
 def preflight(cfg: Config, stages: tuple[Stage, ...], from_snapshot: bool = False) -> None:
     """What can be checked before any work when `stages` run in order: the first one's upstream
-    outputs exist, and each stage's own checks pass (its sources, or with `from_snapshot` its
-    snapshot; a tokenizer to load; the precision; the eval tasks)."""
+    outputs exist, each stage's own checks pass (its sources, or with `from_snapshot` its
+    snapshot; a tokenizer to load; the precision; the eval tasks), and a tracking server answers."""
+    for stage in stages:  # a stage of the other pipeline is named as such, not as one lacking inputs
+        check_in_pipeline(stage, cfg)
     check_stage_inputs(stages[0], cfg)
     for stage in stages:
         preflight_stage(stage, cfg, from_snapshot)
+    check_tracking_server(cfg)
 
 
 def preflight_stage(stage: Stage, cfg: Config, from_snapshot: bool = False) -> None:
@@ -43,7 +54,7 @@ def preflight_stage(stage: Stage, cfg: Config, from_snapshot: bool = False) -> N
 
 def check_stage_inputs(stage: Stage, cfg: Config) -> None:
     """Fail before any work if an upstream stage's output is missing."""
-    missing = [stage_named(up) for up in stage.upstream if not stage_named(up).done_marker(cfg).is_file()]
+    missing = [producer(up, cfg) for up in stage.upstream if not producer(up, cfg).done_marker(cfg).is_file()]
     if missing:
         paths = ", ".join(str(up.done_marker(cfg)) for up in missing)
         raise MissingInputError(
@@ -58,7 +69,7 @@ def upstream_outputs(cfg: Config, stage: Stage, run_id: str) -> dict[str, str]:
     or stage run) recorded, by config field, after checking they are still what it wrote."""
     tags = MlflowClient(resolve_tracking_uri(cfg)).get_run(run_id).data.tags
     fields = {}
-    for up in map(stage_named, stage.upstream):
+    for up in (producer(name, cfg) for name in stage.upstream):
         if out_dir_tag(up.name) not in tags:
             raise MissingInputError(f"run {run_id} recorded no {up.name} stage output; pick a run whose "
                                     f"{up.name} stage finished (`forgeline compare` shows its tags)")
@@ -80,14 +91,17 @@ def run_stage(stage: Stage, cfg: Config, parent_run_id: str | None = None, force
               run_key: str | None = None, from_snapshot: bool = False) -> Any:
     """Run `stage` as an MLflow run: its checks, the snapshot it builds from (taken on every run,
     like dvc.yaml's always-changed snapshot stage; with `from_snapshot` the one there is used),
-    then its function unless the stage cache allows a skip, then what it records. `run_key`
-    (e.g. the Prefect task run id) makes a retry resume into the same MLflow run."""
+    then its function unless the stage cache allows a skip, then what it records; all it logs goes
+    to its log file (tasks/stage_log.py). `run_key` (e.g. the Prefect task run id) makes a retry
+    resume into the same MLflow run."""
+    check_in_pipeline(stage, cfg)
     preflight_stage(stage, cfg, from_snapshot)
     client = MlflowClient(resolve_tracking_uri(cfg))
     parent = None if parent_run_id is None else tracker_for(cfg, parent_run_id, client)
     function = resolve(stage.function)
     name = run_name(stage.name, cfg, with_layout=reads_layout(stage))
-    with tracked_run(cfg, name, parent_run_id, tags={STAGE_TAG: stage.name}, run_key=run_key) as run:
+    with (tracked_run(cfg, name, parent_run_id, tags={STAGE_TAG: stage.name}, run_key=run_key) as run,
+          stage_log(stage.name, cfg, run)):
         run.log_params({k: v for k, v in cfg.flat().items()
                         if k.split(".")[0] in stage.sections or k in stage.params})
         if stage.snapshot is not None and not from_snapshot:

@@ -21,6 +21,7 @@ Functions are named by reference, `module:attribute`, and imported only when a s
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 from dataclasses import dataclass
@@ -164,6 +165,13 @@ class Stage:
     reads_base: bool = False
     """It computes from the pretrained base (`model.init_from`): the base's identity, by content,
     is part of its cache key, and under DVC the base stamp is its dep (BaseStamp)."""
+    pipeline: Literal["every", "pretraining", "fine-tuning"] = "every"
+    """The pipelines it is part of: a config with an `sft` section fine-tunes (data -> sft -> eval
+    -> register), any other pretrains (data -> train -> eval -> register)."""
+
+    def runs_for(self, cfg: Config) -> bool:
+        """Whether it is a stage of `cfg`'s pipeline."""
+        return self.pipeline == "every" or (self.pipeline == "fine-tuning") == (cfg.sft is not None)
 
     def out_dir(self, cfg: Config) -> Path:
         return Path(cfg.value(self.output))
@@ -206,6 +214,33 @@ class Stage:
         return tuple(dict.fromkeys(read.stage for read in self.reads))
 
 
+TRAIN = Stage(
+    name="train",
+    summary="torchrun on the named DeviceMesh (PP x FSDP2/HSDP x TP) to a committed DCP checkpoint",
+    sections=("model", "parallel", "train", "checkpoint"),
+    reads=(Upstream("data"),),
+    output="train.out_dir",
+    outputs=(Output(persist=True),),  # a rerun resumes from its checkpoints
+    done="train.json",
+    result_type="forgeline.tasks.train.job:TrainResult",
+    function="forgeline.tasks.train.job:train_stage",
+    record="forgeline.tasks.train.job:record_training",
+    preflight="forgeline.tasks.train.job:preflight_train",
+    retries="train.job_retries",
+    gives_up_on="forgeline.model.training.callbacks:TrainingUnstable",
+    reads_base=True,  # starts from its weights; a new base is trained from, not resumed
+    pipeline="pretraining",
+)
+# The same trainer and outputs, on the data stage's rendered conversations: it takes train's place.
+SFT = dataclasses.replace(
+    TRAIN,
+    name="sft",
+    summary="supervised fine-tuning: the train stage's trainer on the data stage's rendered "
+            "conversations, the loss on assistant tokens only (LoRA adapters or every weight)",
+    sections=(*TRAIN.sections, "sft"),
+    pipeline="fine-tuning",
+)
+
 STAGES = (
     Stage(
         name="data",
@@ -230,22 +265,8 @@ STAGES = (
             check="forgeline.tasks.data.snapshot:check_snapshot",
         ),
     ),
-    Stage(
-        name="train",
-        summary="torchrun on the named DeviceMesh (PP x FSDP2/HSDP x TP) to a committed DCP checkpoint",
-        sections=("model", "parallel", "train", "checkpoint"),
-        reads=(Upstream("data"),),
-        output="train.out_dir",
-        outputs=(Output(persist=True),),  # a rerun resumes from its checkpoints
-        done="train.json",
-        result_type="forgeline.tasks.train.job:TrainResult",
-        function="forgeline.tasks.train.job:train_stage",
-        record="forgeline.tasks.train.job:record_training",
-        preflight="forgeline.tasks.train.job:preflight_train",
-        retries="train.job_retries",
-        gives_up_on="forgeline.model.training.callbacks:TrainingUnstable",
-        reads_base=True,  # starts from its weights; a new base is trained from, not resumed
-    ),
+    TRAIN,
+    SFT,
     Stage(
         name="eval",
         summary="lm-eval with the `forgeline` model class on the offline suite, scored per capability "
@@ -284,6 +305,44 @@ STAGES = (
     ),
 )
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
+
+
+def pipeline_stages(cfg: Config) -> tuple[Stage, ...]:
+    """The stages of `cfg`'s pipeline, in order."""
+    return tuple(stage for stage in STAGES if stage.runs_for(cfg))
+
+
+def chain() -> str:
+    """The pipelines in one line, stages that take each other's place joined by `|`:
+    data -> train | sft -> eval -> register."""
+    steps: list[list[str]] = []
+    for stage in STAGES:
+        if steps and stage.pipeline != "every" and stage.output == stage_named(steps[-1][-1]).output:
+            steps[-1].append(stage.name)
+        else:
+            steps.append([stage.name])
+    return " -> ".join(" | ".join(names) for names in steps)
+
+
+def producer(name: str, cfg: Config) -> Stage:
+    """The stage of `cfg`'s pipeline that writes what stage `name` writes: `name` itself, or the
+    stage that takes its place there (sft writes the model that train would)."""
+    stage = stage_named(name)
+    if stage.runs_for(cfg):
+        return stage
+    [instead] = [other for other in pipeline_stages(cfg) if other.output == stage.output]
+    return instead
+
+
+def check_in_pipeline(stage: Stage, cfg: Config) -> None:
+    """Fail unless `stage` is one of `cfg`'s pipeline (train of a fine-tuning config, sft of a
+    pretraining one)."""
+    if not stage.runs_for(cfg):
+        instead = producer(stage.name, cfg)
+        why = "fine-tunes (it has an `sft` section)" if cfg.sft is not None else "has no `sft` section"
+        pipeline = " -> ".join(s.name for s in pipeline_stages(cfg))
+        raise ValueError(f"the config {why}: its pipeline is {pipeline}; run "
+                         f"`forgeline stage {instead.name}` instead of {stage.name}")
 
 
 def stage_named(name: str) -> Stage:

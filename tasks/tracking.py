@@ -89,6 +89,32 @@ def resolve_tracking_uri(cfg: Config) -> str:
     return uri
 
 
+class ServerUnreachable(ValueError):
+    """A server the command needs does not answer at its start: nothing has run."""
+
+
+def check_tracking_server(cfg: Config, timeout_s: float = 5.0) -> None:
+    """Raise ServerUnreachable, before any work, if the tracking URI is a server (http, https)
+    that takes no connection or does not answer within `timeout_s`: each stage's run starts
+    there (once a run exists, an outage costs nothing: the spool waits). Any HTTP answer counts,
+    an error status included: a server that refuses the request says why itself."""
+    uri = resolve_tracking_uri(cfg)
+    if not uri.startswith(("http://", "https://")):
+        return
+    import requests
+
+    try:
+        requests.get(uri, timeout=timeout_s)
+    except requests.RequestException as err:
+        timed_out = isinstance(err, requests.Timeout)
+        reason = f"no answer within {timeout_s:.0f} s" if timed_out else "no connection"
+        where = "registry.tracking_uri" if cfg.registry.tracking_uri else "$MLFLOW_TRACKING_URI"
+        raise ServerUnreachable(
+            f"the MLflow tracking server at {scrub(uri)} does not answer ({reason}): start it (`mlflow "
+            f"server`), or point {where} at one that runs; with neither set, runs go to the local store "
+            f"{DEFAULT_TRACKING_URI}") from None
+
+
 @functools.cache  # once per process and store: what it sets persists in the file
 def prepare_sqlite_store(uri: str) -> None:
     """Make the sqlite store at `uri` (an absolute sqlite:/// URI) safe for concurrent writers, one

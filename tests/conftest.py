@@ -86,6 +86,35 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def skip_reason(report: pytest.TestReport) -> str:
+    """The reason a skipped test gave (pytest keeps it as (path, line, "Skipped: reason"))."""
+    if isinstance(report.longrepr, tuple):
+        return report.longrepr[2].removeprefix("Skipped: ")
+    return str(report.longrepr)
+
+
+def skipped_by_reason(reports: list[pytest.TestReport]) -> dict[str, list[str]]:
+    """The skipped tests' ids grouped by their reason, the largest group first."""
+    groups: dict[str, list[str]] = {}
+    for report in reports:
+        groups.setdefault(skip_reason(report), []).append(report.nodeid)
+    return dict(sorted(groups.items(), key=lambda group: -len(group[1])))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """List every skipped test by reason at the end of the run: a test that needs root, network
+    namespaces, a tmpfs mount, native bf16 or a package this machine lacks skips, and a green run
+    must not hide the paths it did not test."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    terminalreporter.write_sep("=", f"{len(skipped)} skipped: not tested on this machine", yellow=True)
+    for reason, nodeids in skipped_by_reason(skipped).items():
+        terminalreporter.write_line(f"{reason} ({len(nodeids)}):")
+        for nodeid in nodeids:
+            terminalreporter.write_line(f"    {nodeid}")
+
+
 def output_overrides(root: Path) -> list[str]:
     return [
         f"data.out_dir={root / 'data'}",
@@ -96,6 +125,7 @@ def output_overrides(root: Path) -> list[str]:
         f"registry.tracking_uri=sqlite:///{root / 'mlflow.db'}",
         f"registry.artifact_location={root / 'mlartifacts'}",
         f"ops.tracking_spool={root / 'tracking-spool'}",
+        f"ops.log_dir={root / 'logs'}",
     ]
 
 

@@ -100,3 +100,13 @@ class SignalLauncherBefore(_Once):
     def pre_step(self, trainer: Trainer) -> None:
         if self._due(trainer.state.step + 1):
             os.kill(os.getppid(), getattr(signal, self.signal))
+
+
+class SlowSteps(Callback):
+    """Every rank sleeps `seconds` before each step: a job that takes longer than its limit."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def pre_step(self, trainer: Trainer) -> None:
+        time.sleep(self.seconds)

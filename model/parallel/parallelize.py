@@ -29,6 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from forgeline.configs.schema import ParallelConfig
 from forgeline.model.llama import Transformer
+from forgeline.model.lora import AdapterColwiseParallel, AdapterRowwiseParallel, freeze_base, has_adapters
 from forgeline.model.parallel.mesh import fsdp_mesh
 
 
@@ -68,15 +69,18 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, l
         # Each was distributed on its own; both are sharded by vocabulary row (Shard(0)), so the
         # embedding's DTensor serves the output projection as it is.
         model.tie_embeddings()
+    colwise, rowwise = ColwiseParallel, RowwiseParallel
+    if has_adapters(model):  # LoRA: the adapters split along with their weights
+        colwise, rowwise = AdapterColwiseParallel, AdapterRowwiseParallel
     for block in model.layers.values():
         plan: dict[str, object] = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=residual),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+            "attention.wq": colwise(),
+            "attention.wk": colwise(),
+            "attention.wv": colwise(),
+            "attention.wo": rowwise(output_layouts=residual),
+            "feed_forward.w1": colwise(),
+            "feed_forward.w3": colwise(),
+            "feed_forward.w2": rowwise(output_layouts=residual),
         }
         if sequence_parallel:
             plan |= {
@@ -88,6 +92,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, l
                                                    desired_input_layouts=(Replicate(),)),
             }
         parallelize_module(block, tp_mesh, plan)
+    if has_adapters(model):  # SequenceParallel gives the norms new parameters, trainable
+        freeze_base(model)
 
 
 # Ops whose outputs selective activation checkpointing keeps: the expensive ones to recompute.

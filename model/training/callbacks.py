@@ -55,6 +55,18 @@ class MetricsCallback(Callback):
         self.logger.close()
 
 
+def target_ids(batch: torch.Tensor | DocumentBatch) -> torch.Tensor:
+    """The (B, T) target token ids of a validation batch."""
+    return (batch.tokens if isinstance(batch, DocumentBatch) else batch)[:, 1:]
+
+
+def target_mask(batch: torch.Tensor | DocumentBatch) -> torch.Tensor:
+    """Which targets the loss counts: the masked ones of a batch with a loss mask, else all."""
+    if isinstance(batch, DocumentBatch) and batch.loss_mask is not None:
+        return batch.loss_mask[:, 1:]
+    return torch.ones_like(target_ids(batch), dtype=torch.bool)
+
+
 @dataclass
 class ValidationCallback(Callback):
     """Every `every` steps and at the last step, all ranks compute the loss of the same fixed
@@ -79,10 +91,13 @@ class ValidationCallback(Callback):
         num_batches = num_validation_batches(manifest, loader.global_batch_size, cfg.val_batches)
         batches = validation_batches(split_shards(data_dir, manifest, "val"), num_batches, loader)
         lengths = torch.from_numpy(token_byte_lengths(data_dir / manifest["tokenizer"]["dir"]))
-        mine = sum(lengths[(b.tokens if isinstance(b, DocumentBatch) else b)[:, 1:]].sum() for b in batches)
-        text_bytes = mine.to(device)
-        dist.all_reduce(text_bytes, group=dp_group)
-        tokens = num_batches * loader.global_batch_size * manifest["seq_len"]
+        # Of masked targets (fine-tuning: the answers), only they count: the loss is theirs.
+        masks = [target_mask(batch) for batch in batches]
+        mine = sum(lengths[target_ids(batch)][mask].sum() for batch, mask in zip(batches, masks, strict=True))
+        counted = sum(int(mask.sum()) for mask in masks)
+        totals = torch.stack([torch.as_tensor(mine), torch.as_tensor(counted)]).to(device)
+        dist.all_reduce(totals, group=dp_group)
+        text_bytes, tokens = totals[0], int(totals[1].item())
         log.info("validation every %d steps: %d global batches%s, %d tokens, %d bytes of text",
                  cfg.val_every, num_batches,
                  f" (all the validation split holds of train.val_batches={cfg.val_batches})"

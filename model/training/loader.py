@@ -9,7 +9,9 @@ consumed.
 
 With `document_starts` it also reads each sample's document starts (shards.py STARTS_FIELD) and
 yields a DocumentBatch: the tokens and the document each token belongs to, for document masking
-(`train.document_masking`, resolved by `Config.masks_documents`).
+(`train.document_masking`, resolved by `Config.masks_documents`). Shards of conversations carry
+loss masks (shards.py MASK_FIELD, `ShardInfo.loss_masks` from the manifest): then every batch is
+a DocumentBatch with its `loss_mask` (without `document_starts`, all of a row is one document).
 
 Validation (`train.val_every`) reads the validation split with the same loader under a fixed
 seed: its first `train.val_batches` global batches, the same for every run and layout.
@@ -27,6 +29,7 @@ import torch
 from tokenizers import Tokenizer, decoders
 
 from forgeline.model.training.shards import (
+    MASK_FIELD,
     SAMPLE_FIELD,
     STARTS_FIELD,
     DataError,
@@ -36,7 +39,8 @@ from forgeline.model.training.shards import (
     verify_shard,
 )
 
-Rows = tuple[np.ndarray, np.ndarray | None]  # a shard's (or batch's) tokens, and documents or None
+# A shard's (or sample's) tokens, and its documents and loss masks, or None where not read.
+Rows = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
 
 
 @dataclass
@@ -47,9 +51,11 @@ class DocumentBatch:
 
     tokens: torch.Tensor  # (B, T + 1) int64
     documents: torch.Tensor  # (B, T + 1) int32, non-decreasing along T
+    loss_mask: torch.Tensor | None = None  # (B, T + 1) bool: the tokens that are loss targets (SFT)
 
     def to(self, device: torch.device | str) -> DocumentBatch:
-        return DocumentBatch(self.tokens.to(device), self.documents.to(device))
+        mask = self.loss_mask.to(device) if self.loss_mask is not None else None
+        return DocumentBatch(self.tokens.to(device), self.documents.to(device), mask)
 
 
 class ShardedSampleLoader:
@@ -59,6 +65,7 @@ class ShardedSampleLoader:
                  dp_size: int, seed: int, document_starts: bool = False):
         self.shards = shards
         self.document_starts = document_starts
+        self.loss_masks = any(shard.loss_masks for shard in shards)
         self.local_batch_size = local_batch_size
         self.global_batch_size = local_batch_size * dp_size
         self.dp_rank = dp_rank
@@ -94,17 +101,20 @@ class ShardedSampleLoader:
 
     def next_batch(self) -> torch.Tensor | DocumentBatch:
         """The next (local_batch_size, seq_len + 1) int64 batch of this rank; with
-        `document_starts`, a DocumentBatch of it."""
+        `document_starts` or loss masks, a DocumentBatch of it."""
         if self.position + self.global_batch_size > self.samples_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
             self._reset_order()
         start = self.position + self.dp_rank * self.local_batch_size
         rows = [self._sample(start + i) for i in range(self.local_batch_size)]
         self.position += self.global_batch_size
-        tokens = torch.from_numpy(np.stack([tokens for tokens, _ in rows]).astype(np.int64))
-        if not self.document_starts:
+        tokens = torch.from_numpy(np.stack([tokens for tokens, _, _ in rows]).astype(np.int64))
+        if not self.document_starts and not self.loss_masks:
             return tokens
-        return DocumentBatch(tokens, torch.from_numpy(np.stack([documents for _, documents in rows])))
+        documents = (torch.from_numpy(np.stack([documents for _, documents, _ in rows]))
+                     if self.document_starts else torch.zeros(tokens.shape, dtype=torch.int32))
+        mask = torch.from_numpy(np.stack([mask for _, _, mask in rows])).bool() if self.loss_masks else None
+        return DocumentBatch(tokens, documents, mask)
 
     def _epoch_order(self) -> tuple[np.ndarray, np.ndarray]:
         if self._order is None:
@@ -119,7 +129,7 @@ class ShardedSampleLoader:
             future.cancel()
         self._order, self._current, self._pending = None, None, {}
 
-    def _sample(self, index: int) -> tuple[np.ndarray, np.ndarray | None]:
+    def _sample(self, index: int) -> Rows:
         shard_order, cumulative = self._epoch_order()
         slot = bisect.bisect_right(cumulative, index)
         offset = index - (cumulative[slot - 1] if slot else 0)
@@ -128,8 +138,9 @@ class ShardedSampleLoader:
             self._pending.pop(slot)
             if slot + 1 < len(shard_order):
                 self._open(slot + 1)  # the next shard loads while this one is consumed
-        tokens, documents = self._current[1]
-        return tokens[offset], None if documents is None else documents[offset]
+        tokens, documents, masks = self._current[1]
+        return (tokens[offset], None if documents is None else documents[offset],
+                None if masks is None else masks[offset])
 
     def _open(self, slot: int) -> Future[Rows]:
         if slot not in self._pending:
@@ -141,24 +152,29 @@ class ShardedSampleLoader:
         if shard_id not in self._verified:
             verify_shard(self.shards[shard_id])
             self._verified.add(shard_id)
-        tokens, documents = self._read(self.shards[shard_id])
+        tokens, documents, masks = self._read(self.shards[shard_id])
         order = np.random.default_rng([self.seed, epoch, shard_id]).permutation(len(tokens))
-        return tokens[order], None if documents is None else documents[order]
+        return (tokens[order], None if documents is None else documents[order],
+                None if masks is None else masks[order])
 
     def _read(self, shard: ShardInfo) -> Rows:
-        """The shard's (samples, seq_len + 1) tokens and, with `document_starts`, each token's
-        document index: 1 at every document start, summed along the sample."""
-        if not self.document_starts:
-            return read_shard(shard), None
+        """The shard's (samples, seq_len + 1) tokens; with `document_starts`, each token's
+        document index: 1 at every document start, summed along the sample; with loss masks,
+        the samples' masks."""
+        if not self.document_starts and not self.loss_masks:
+            return read_shard(shard), None, None
         samples = list(iter_shard(shard))
         if len(samples) != shard.samples:
             raise DataError(f"shard {shard.path} has {len(samples)} samples, manifest says {shard.samples}")
         tokens = np.stack([sample[SAMPLE_FIELD] for sample in samples])
+        masks = np.stack([sample[MASK_FIELD] for sample in samples]) if self.loss_masks else None
+        if not self.document_starts:
+            return tokens, None, masks
         starts = [sample[STARTS_FIELD] for sample in samples]
         documents = np.zeros(tokens.shape, np.int32)
         rows = np.repeat(np.arange(len(starts)), [len(s) for s in starts])
         documents[rows, np.concatenate(starts).astype(np.int64)] = 1
-        return tokens, np.cumsum(documents, axis=1, dtype=np.int32)
+        return tokens, np.cumsum(documents, axis=1, dtype=np.int32), masks
 
 
 VAL_SEED = 0  # the order validation batches are read in: the same for every run and layout

@@ -24,6 +24,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+    # LoRA trains matrices only: an empty group would not load back from a checkpoint (DCP's
+    # flattened optimizer state names each group by its first parameter).
+    groups = [group for group in groups if group["params"]]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
                              fused=fused_adamw_supported(params))
 

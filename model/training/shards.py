@@ -3,10 +3,14 @@ training loader, loader.py).
 
 A shard is a tar in the webdataset layout -- webdataset's own reader reads it -- whose samples
 each hold `tokens.npy`, seq_len + 1 token ids (inputs and the targets shifted by one), and
-`starts.npy`, the offsets in it where a document begins (for document-level attention masks).
-Its bytes are deterministic: plain ustar headers with a fixed mtime, owner and mode, samples and
-fields in a fixed order, so the same samples give the same shard. `manifest.json` beside the
-shards lists every shard with its sample count and sha256.
+`starts.npy`, the offsets in it where a document begins (for document-level attention masks);
+the samples of conversations (supervised fine-tuning) also hold `mask.npy`, seq_len + 1 uint8,
+1 where that token is a loss target (an assistant's reply and its end-of-turn token) -- the
+targets of inputs tokens[:-1] are tokens[1:], so their mask is mask[1:]. Its bytes are
+deterministic: plain ustar headers with a fixed mtime, owner and mode, samples and fields in a
+fixed order, so the same samples give the same shard. `manifest.json` beside the shards lists
+every shard with its sample count and sha256, and says whether the samples carry masks
+(`loss_masks`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from forgeline.model.fileio import sha256_file
 MANIFEST_NAME = "manifest.json"
 SAMPLE_FIELD = "tokens.npy"
 STARTS_FIELD = "starts.npy"
+MASK_FIELD = "mask.npy"
+LOSS_MASKS = "loss_masks"  # the manifest's key: true when every sample carries MASK_FIELD
 FORMAT_VERSION = "forgeline-shards/2"
 
 
@@ -39,6 +45,7 @@ class ShardInfo:
     path: Path
     samples: int
     sha256: str
+    loss_masks: bool = False  # its samples carry MASK_FIELD
 
 
 def read_manifest(data_dir: str | Path) -> dict:
@@ -58,8 +65,9 @@ def read_manifest(data_dir: str | Path) -> dict:
 
 
 def split_shards(data_dir: str | Path, manifest: dict, split: str) -> list[ShardInfo]:
+    masks = bool(manifest.get(LOSS_MASKS, False))
     return [
-        ShardInfo(Path(data_dir) / s["path"], s["samples"], s["sha256"])
+        ShardInfo(Path(data_dir) / s["path"], s["samples"], s["sha256"], masks)
         for s in manifest["splits"][split]["shards"]
     ]
 
@@ -121,15 +129,19 @@ def npy_bytes(array: np.ndarray) -> bytes:
 
 
 def write_shard(directory: Path, split: str, number: int, samples: Sequence[np.ndarray],
-                starts: Sequence[np.ndarray], first_index: int) -> dict:
+                starts: Sequence[np.ndarray], first_index: int,
+                loss_masks: Sequence[np.ndarray] | None = None) -> dict:
     """Write `split`'s shard `number`, holding the samples of global indexes first_index,
-    first_index + 1, ... of the split; returns its manifest entry. Plain ustar headers: pax
-    headers cost more to build than the samples do, and webdataset reads either."""
+    first_index + 1, ... of the split (with their loss masks, if given); returns its manifest
+    entry. Plain ustar headers: pax headers cost more to build than the samples do, and
+    webdataset reads either."""
     name = f"{split}-{number:06d}.tar"
+    masks = loss_masks if loss_masks is not None else [None] * len(samples)
     with tarfile.open(directory / name, "w", format=tarfile.USTAR_FORMAT) as tar:
-        for offset, (tokens, doc_starts) in enumerate(zip(samples, starts, strict=True)):
+        for offset, (tokens, doc_starts, mask) in enumerate(zip(samples, starts, masks, strict=True)):
             key = f"{split}-{first_index + offset:09d}"
-            for field, array in ((SAMPLE_FIELD, tokens), (STARTS_FIELD, doc_starts)):
+            fields = ((SAMPLE_FIELD, tokens), (STARTS_FIELD, doc_starts))
+            for field, array in fields if mask is None else (*fields, (MASK_FIELD, mask)):
                 payload = npy_bytes(array)
                 info = tarfile.TarInfo(f"{key}.{field}")
                 info.size, info.mode, info.uname, info.gname = len(payload), 0o444, "forgeline", "forgeline"

@@ -7,13 +7,17 @@ only: through the pipeline schedule's eval, or for the V schedules, whose eval f
 2.13, stage after stage outside the schedule.
 
 A batch is token ids, or a DocumentBatch (document masking): then the model parts -- every
-pipeline stage -- also take the document of each input position."""
+pipeline stage -- also take the document of each input position. A DocumentBatch with a loss
+mask (supervised fine-tuning: assistant tokens only) trains on the masked targets alone, each
+weighing the same across the global batch: a step's loss is the sum of their token losses over
+their count in the whole global batch (every rank, micro-step and microbatch), not a mean of
+per-chunk means, which would weigh a token of a short answer more than one of a long answer."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,6 +38,7 @@ from forgeline.model.training.optim import clip_grad_norm_
 V_SCHEDULE_CLASSES = tuple(get_schedule_class(name) for name in sorted(V_SCHEDULES))
 ACTIVATION_DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # what stages pass on
 Batch = torch.Tensor | DocumentBatch  # (B, T + 1) token ids, with their documents or without
+IGNORED = -100  # a target outside the loss mask (cross_entropy's ignore_index)
 
 
 @dataclass
@@ -44,35 +49,61 @@ class StepResult:
     nonfinite: bool  # the loss or the gradient was inf/NaN -- not an fp16 overflow
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy of (B, T, V) logits; vocabulary-sharded DTensor logits work
-    inside a loss_parallel() context."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Token cross-entropy of (B, T, V) logits, targets IGNORED left out; vocabulary-sharded
+    DTensor logits work inside a loss_parallel() context."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORED,
+                           reduction=reduction)
+
+
+@dataclass
+class TokenWeight:
+    """The weight of one target token in a step's loss when targets are masked: the data-parallel
+    degree over the loss tokens of the global batch (FSDP averages gradients over the
+    data-parallel ranks, so each rank's sum is scaled up by their number). None: unmasked, each
+    chunk's mean counts."""
+
+    per_token: float | None = None
 
 
 def micro_steps(batch: Batch, n: int) -> list[Batch]:
     """The batch cut into `n` micro-steps along the batch dimension."""
     if isinstance(batch, DocumentBatch):
-        pieces = zip(batch.tokens.chunk(n), batch.documents.chunk(n), strict=True)
-        return [DocumentBatch(tokens, documents) for tokens, documents in pieces]
+        masks = batch.loss_mask.chunk(n) if batch.loss_mask is not None else (None,) * n
+        pieces = zip(batch.tokens.chunk(n), batch.documents.chunk(n), masks, strict=True)
+        return [DocumentBatch(tokens, documents, mask) for tokens, documents, mask in pieces]
     return list(batch.chunk(n))
 
 
 def model_inputs(micro: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The (B, T) inputs and targets of a micro-step, and the keyword arguments every model part
-    takes with them: the (B, T) documents of the input positions under document masking."""
+    takes with them: the (B, T) documents of the input positions under document masking.
+    Targets outside a loss mask are IGNORED."""
     if isinstance(micro, DocumentBatch):
-        return micro.tokens[:, :-1], micro.tokens[:, 1:], {"documents": micro.documents[:, :-1]}
+        targets = micro.tokens[:, 1:]
+        if micro.loss_mask is not None:
+            targets = targets.masked_fill(~micro.loss_mask[:, 1:], IGNORED)
+        return micro.tokens[:, :-1], targets, {"documents": micro.documents[:, :-1]}
     return micro[:, :-1], micro[:, 1:], {}
 
 
+def loss_token_count(batches: list[Batch]) -> int:
+    """The masked targets of `batches` (0 when they carry no loss mask)."""
+    return sum(int(batch.loss_mask[:, 1:].sum()) for batch in batches
+               if isinstance(batch, DocumentBatch) and batch.loss_mask is not None)
+
+
 def scaled_loss(logits: torch.Tensor, targets: torch.Tensor, parts_per_step: int,
-                scaler: DynamicLossScaler | None) -> torch.Tensor:
+                scaler: DynamicLossScaler | None, weight: TokenWeight | None = None) -> torch.Tensor:
     """The loss whose backward adds this chunk's share to the step's gradients: the chunk's
-    mean divided by the number of chunks in the step (gradients sum over them), times the
-    fp16 loss scale. A chunk is a micro-step, or a pipeline microbatch of one (then
-    parts_per_step = grad_accum_steps * pp_microbatches; this is the schedule's loss_fn)."""
-    loss = cross_entropy(logits, targets) / parts_per_step
+    mean divided by the number of chunks in the step (gradients sum over them) -- or, with
+    masked targets, its token losses summed times their `weight` -- times the fp16 loss scale.
+    A chunk is a micro-step, or a pipeline microbatch of one (then parts_per_step =
+    grad_accum_steps * pp_microbatches; this is the schedule's loss_fn)."""
+    if weight is not None and weight.per_token is not None:
+        loss = cross_entropy(logits, targets, reduction="sum") * weight.per_token
+    else:
+        loss = cross_entropy(logits, targets) / parts_per_step
     return loss * scaler.scale if scaler is not None else loss
 
 
@@ -95,10 +126,12 @@ class TrainStep:
     autocast_dtype: torch.dtype | None = None  # low precision without FSDP's MixedPrecisionPolicy
     scaler: DynamicLossScaler | None = None  # fp16
     tied: TiedEmbeddingCopies | None = None  # tied embeddings split over pipeline stages
+    weight: TokenWeight = field(default_factory=TokenWeight)  # shared with the schedule's loss_fn
 
     def __call__(self, batch: Batch) -> StepResult:
         """`batch`: this rank's (B, T + 1) token ids for the whole step (with their documents)."""
-        params = [p for part in self.parts for p in part.parameters()]
+        params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
+        self._weigh_loss_tokens([batch])
         loss_sum = torch.zeros((), device=self.device)
         for index, micro in enumerate(micro_steps(batch, self.grad_accum_steps)):
             self._set_gradient_sync(index == self.grad_accum_steps - 1)
@@ -119,7 +152,7 @@ class TrainStep:
             optimizer.zero_grad(set_to_none=True)
         for scheduler in self.schedulers:
             scheduler.step()
-        loss = self._global_mean(loss_sum / self.grad_accum_steps)
+        loss = self._global_mean(loss_sum)
         nonfinite = not overflow and not (math.isfinite(grad_norm) and math.isfinite(loss))
         return StepResult(loss, grad_norm, skipped=not apply, nonfinite=nonfinite)
 
@@ -128,7 +161,9 @@ class TrainStep:
         """Mean token cross-entropy of `batches` -- this rank's (B, T + 1) slices of global
         batches -- over all ranks: forward only, in the micro-steps (and pipeline microbatches)
         of a training step, so that it fits wherever training does. Every target token weighs
-        the same (the batches and their chunks are of equal size)."""
+        the same (the batches and their chunks are of equal size; masked targets weigh the same
+        across all the batches)."""
+        self._weigh_loss_tokens(batches)
         loss_sum = torch.zeros((), device=self.device)
         for batch in batches:
             for micro in micro_steps(batch.to(self.device), self.grad_accum_steps):
@@ -140,23 +175,37 @@ class TrainStep:
             for module in part.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-        return self._global_mean(loss_sum / (len(batches) * self.grad_accum_steps))
+        per_batch = 1 if self.weight.per_token is not None else len(batches)
+        return self._global_mean(loss_sum / per_batch)
+
+    def _weigh_loss_tokens(self, batches: list[Batch]) -> None:
+        """Sets the weight of a masked target for these batches: their loss tokens are counted
+        over the data-parallel ranks (every rank holds its batch whole, pipeline stages too)."""
+        if not any(isinstance(batch, DocumentBatch) and batch.loss_mask is not None for batch in batches):
+            self.weight.per_token = None
+            return
+        count = torch.tensor(float(loss_token_count(batches)), dtype=torch.float64, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.dp_group)
+        # A batch without one loss token (every answer truncated away) adds nothing, not NaN.
+        self.weight.per_token = self.dp_group.size() / count.item() if count.item() else 0.0
 
     def _forward_backward(self, micro: Batch, backward: bool = True) -> torch.Tensor:
-        """The micro-step's mean loss (unscaled), after its backward (unless not `backward`)."""
+        """The micro-step's share of the step's loss (unscaled) -- its mean over the number of
+        micro-steps, or its masked token losses' sum times their weight --, after its backward
+        (unless not `backward`)."""
         inputs, targets, model_kwargs = model_inputs(micro)
         with self._compute_context():
             if self.schedule is not None:
                 scaled = self._pipelined(inputs, targets, model_kwargs, backward)
             else:
                 logits = self.parts[0](inputs, **model_kwargs)
-                scaled = scaled_loss(logits, targets, self.grad_accum_steps, self.scaler)
+                scaled = scaled_loss(logits, targets, self.grad_accum_steps, self.scaler, self.weight)
                 if backward:
                     scaled.backward()
         if isinstance(scaled, DTensor):  # replicated loss of loss_parallel
             scaled = scaled.full_tensor()
         unscale = self.scaler.scale if self.scaler is not None else 1.0
-        return scaled.detach() * self.grad_accum_steps / unscale
+        return scaled.detach() / unscale
 
     def _pipelined(self, inputs: torch.Tensor, targets: torch.Tensor, model_kwargs: dict[str, torch.Tensor],
                    backward: bool = True) -> torch.Tensor:
@@ -197,7 +246,7 @@ class TrainStep:
                 self._send_activations(h, owner[stage + 1])
         if last not in mine:
             return torch.zeros((), device=self.device)
-        return scaled_loss(h, targets, self.grad_accum_steps, self.scaler)
+        return scaled_loss(h, targets, self.grad_accum_steps, self.scaler, self.weight)
 
     def _send_activations(self, h: torch.Tensor, pp_rank: int) -> None:
         header = torch.tensor([*h.shape, ACTIVATION_DTYPES.index(h.dtype)], device=self.device)
@@ -229,8 +278,9 @@ class TrainStep:
                     part.set_requires_gradient_sync(last_micro_step)
 
     def _global_mean(self, loss: torch.Tensor) -> float:
-        """Average over data-parallel ranks; with pipeline parallelism only the last stage holds
-        the loss, so it is summed over the pipeline (the other stages add 0)."""
+        """Average over data-parallel ranks (of masked targets: their sum over all, as each
+        rank's share is scaled up by the data-parallel degree); with pipeline parallelism only
+        the last stage holds the loss, so it is summed over the pipeline (the other stages add 0)."""
         if self.pp_group is not None:
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.pp_group)
         dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_group)

@@ -30,10 +30,17 @@ from forgeline.configs import Config, load_config
 from forgeline.configs.environment import apply_environment_defaults
 from forgeline.configs.schema import ModelConfig, resume_fingerprint
 from forgeline.model.checkpoint.manager import MANIFEST_NAME as CHECKPOINT_MANIFEST
-from forgeline.model.checkpoint.manager import CheckpointManager, ModelState, OptimizerState, RNGState
+from forgeline.model.checkpoint.manager import (
+    CheckpointManager,
+    ModelState,
+    OptimizerState,
+    RNGState,
+    read_checkpoint_manifest,
+)
 from forgeline.model.fileio import sha256_file
 from forgeline.model.hf import load_hf_weights
 from forgeline.model.llama import Transformer
+from forgeline.model.lora import apply_lora, has_adapters, init_lora, is_adapter
 from forgeline.model.parallel.mesh import build_meshes, init_distributed, resolve_precision
 from forgeline.model.parallel.parallelize import parallelize
 from forgeline.model.parallel.pipelining import build_schedule, pipeline_split
@@ -63,14 +70,25 @@ from forgeline.model.training.step import TrainStep, scaled_loss
 log = logging.getLogger("forgeline.model.training.worker")
 
 
+class BaseWeights(ModelState):
+    """The weights of model parts with adapters, less the adapters: what a base checkpoint
+    holds (the adapters keep their initialization)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in super().state_dict().items() if not is_adapter(k)}
+
 def build_model_parts(cfg: Config, shape: ModelConfig, mesh: DeviceMesh, device: torch.device,
                       param_dtype: torch.dtype) -> list[tuple[int, nn.Module]]:
     """This rank's (stage index, module) pairs -- one (0, whole model) without pipeline
     parallelism -- built in the order: meta -> pipeline split -> TP -> AC -> compile -> FSDP ->
     materialize -> initialize (values depend only on the seed, not on the layout). A run from a
-    base leaves the weights to the load that follows (a checkpoint, or the base)."""
+    base leaves the weights to the load that follows (a checkpoint, or the base). With
+    sft.lora, adapters join on meta and are initialized here; the base's load leaves them."""
+    lora = cfg.sft.lora if cfg.sft else None
     with torch.device("meta"):
         model = Transformer(shape)
+    if lora:
+        apply_lora(model, lora)
     if cfg.parallel.pp > 1:
         parts = pipeline_split(model, mesh["pp"].get_local_rank(), cfg.parallel)
     else:
@@ -82,6 +100,8 @@ def build_model_parts(cfg: Config, shape: ModelConfig, mesh: DeviceMesh, device:
             part.init_buffers()
         else:
             part.init_weights(cfg.train.seed)
+        if lora:
+            init_lora(part, cfg.train.seed)
     return parts
 
 
@@ -91,7 +111,11 @@ def load_base(parts: list[nn.Module], base: dict, shape: ModelConfig) -> None:
     started = time.perf_counter()
     path = Path(base["path"])
     if (path / CHECKPOINT_MANIFEST).is_file():
-        dcp.load({"model": ModelState(parts)}, checkpoint_id=path)
+        if read_checkpoint_manifest(path).get("lora"):
+            raise ValueError(f"the base {base['uri']} holds LoRA adapters beside frozen weights: start "
+                             "from its merged export (`forgeline checkpoints export --format hf`)")
+        state = BaseWeights(parts) if any(has_adapters(part) for part in parts) else ModelState(parts)
+        dcp.load({"model": state}, checkpoint_id=path)
     else:
         load_hf_weights(parts, path, shape)
     log.info("started from the base %s (%s) in %.1f s", base["uri"], path, time.perf_counter() - started)
@@ -122,8 +146,8 @@ def build_train_step(cfg: Config, mesh: DeviceMesh, dp_mesh: DeviceMesh, parts: 
     if layout.pp > 1:
         train_step.schedule = build_schedule(
             parts, layout, mesh["pp"], device,
-            loss_fn=lambda logits, targets: scaled_loss(
-                logits, targets, cfg.train.grad_accum_steps * layout.pp_microbatches, scaler),
+            loss_fn=lambda logits, targets: scaled_loss(logits, targets, cfg.train.grad_accum_steps
+                                                        * layout.pp_microbatches, scaler, train_step.weight),
         )
     return train_step
 
@@ -182,6 +206,8 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
             "git_commit": os.environ.get("FORGELINE_GIT_COMMIT", "unknown")}
     if base:  # where the run's weights came from: the manifest of every checkpoint records it
         meta["base"] = base
+    if cfg.sft and cfg.sft.lora:  # what readers of the checkpoint merge (model/inference.py)
+        meta["lora"] = cfg.sft.lora.model_dump(mode="json")
     # Before the metrics: the validation figures join the step's metrics.
     validation = [
         ValidationCallback.from_data(cfg.train, data_dir, manifest, loader, train_step.dp_group, device),

@@ -19,8 +19,16 @@ evaluation), `manifest.json` (sha256 per shard, tokenizer and config hashes, cou
 and per source its provenance, what each filter removed and, per split, its documents, tokens
 and `sequences`: the packed samples holding at least one of its tokens -- samples mix sources,
 so these add up to more than the split's samples) and `build.json` (a hash of the config, the
-snapshot's files and the stage's code, and the sha256 of every file written). The output is
-built in a temporary directory and swapped in whole, so a failed run never leaves a
+snapshot's files and the stage's code, and the sha256 of every file written).
+
+With `sft` set the documents are conversations (chat.py): cleaned and deduplicated as such,
+rendered through the chat template of the run's tokenizer (`data.chat_template`, else its own)
+into token ids and loss masks, packed whole, several to a row, in training order (one longer
+than a row is cut to it), the row padded with EOS; the shards carry the masks, the manifest
+says so (`loss_masks`) and names the template by its sha256, and the tokenizer is saved with
+the template.
+
+The output is built in a temporary directory and swapped in whole, so a failed run never leaves a
 half-written shard under its final name. The same inputs, config and code give byte-identical
 output -- whatever the executor, the number of workers and `data.partition_mb` -- and a rerun on
 them rewrites nothing.
@@ -40,14 +48,15 @@ from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from forgeline.configs import Config
-from forgeline.configs.schema import DataConfig, SourceConfig
+from forgeline.configs.schema import ConfigError, DataConfig, SourceConfig
 from forgeline.model.fileio import sha256_file
-from forgeline.model.training.shards import FORMAT_VERSION, MANIFEST_NAME
+from forgeline.model.training.shards import FORMAT_VERSION, LOSS_MASKS, MANIFEST_NAME
 from forgeline.tasks.atomic import remove_stale_staging, replace_dir, staging_dir
 from forgeline.tasks.data import work as w
+from forgeline.tasks.data.chat import load_chat_tokenizer, resolve_template, template_sha256
 from forgeline.tasks.data.clean import lsh_bands
 from forgeline.tasks.data.executor import Executor, close_local_clusters, executor_for
 from forgeline.tasks.data.snapshot import (
@@ -146,9 +155,9 @@ def build_from_snapshot(cfg: Config) -> DataResult:
                       labels=tuple(source.label for source in dcfg.sources),
                       weights=tuple(source.weight for source in dcfg.sources), val_fraction=dcfg.val_fraction,
                       buckets=dedup_buckets(members, dcfg, num_workers),
-                      partition_firsts=tuple(p[0].first for p in partitions))
+                      partition_firsts=tuple(p[0].first for p in partitions), conversations=bool(cfg.sft))
         Path(plan.work_dir, "tokens").mkdir(parents=True)
-        stats = {source.label: source_entry(source) for source in dcfg.sources}
+        stats = {source.label: source_entry(source, plan.conversations) for source in dcfg.sources}
         work = [w.PartitionWork(n, tuple(partition), plan) for n, partition in enumerate(partitions)]
         cleaned = executor.map("clean", w.clean_partition, work)
         count_filters(plan, cleaned, stats)
@@ -158,27 +167,37 @@ def build_from_snapshot(cfg: Config) -> DataResult:
                  time.perf_counter() - started)
         source = tokenizer_source(cfg)
         tokenizer, eos_id = build_tokenizer(dcfg, source, training_texts(plan, len(partitions)))
-        hf_tokenizer = save_tokenizer(tokenizer, dcfg.special_tokens, tmp / "tokenizer")
+        chat = None
+        if cfg.sft:
+            chat_template = chat_template_of(cfg)
+            hf_tokenizer = save_chat_tokenizer(source, chat_template, tmp / "tokenizer")
+            chat = w.ChatWork(str(tmp / "tokenizer"), dcfg.seq_len + 1)
+        else:
+            hf_tokenizer = save_tokenizer(tokenizer, dcfg.special_tokens, tmp / "tokenizer")
         tokenizer_json = str(Path(plan.work_dir) / "tokenizer.json")
         tokenizer.save(tokenizer_json)
         dtype = np.dtype(vocab_dtype(tokenizer)).str
         # Both splits' pieces at once, and a split's shards as soon as its pieces are done: no
         # worker waits for the last piece of a phase it has no part in.
-        pieces = {split: [w.PieceWork(n, split, len(partitions), tokenizer_json, eos_id, dtype, plan)
+        pieces = {split: [w.PieceWork(n, split, len(partitions), tokenizer_json, eos_id, dtype, plan, chat)
                           for n in range(len(partitions))] for split in ("train", "val")}
         tokenizing = {split: executor.submit(f"tokenize-{split}", w.tokenize_piece, pieces[split])
                       for split in pieces}
         splits, writing = {}, {}
         for split, submitted in tokenizing.items():
             tokens = count_tokens(plan, submitted.results(), split, stats)
-            samples = max(0, (tokens - 1) // dcfg.seq_len)
+            stems = tuple(str(piece.stem) for piece in pieces[split])
+            packing = str(Path(plan.work_dir, f"packing-{split}")) if chat else None
+            samples = (w.write_packing(Path(packing), stems, chat.row_tokens) if chat
+                       else max(0, (tokens - 1) // dcfg.seq_len))
             if samples == 0:
                 raise ValueError(f"the {split} split has {tokens} tokens, fewer than one sample of "
                                  f"data.seq_len + 1 = {dcfg.seq_len + 1}; lower data.seq_len or add text")
-            groups = shard_groups(split, tuple(str(piece.stem) for piece in pieces[split]), samples, dcfg,
-                                  tmp, num_workers)
+            groups = shard_groups(split, stems, samples, dcfg, tmp, num_workers, packing, eos_id)
             writing[split] = executor.submit(f"shards-{split}", w.write_shard_group, groups)
             splits[split] = {"documents": documents[split], "tokens": tokens, "samples": samples}
+            if chat:
+                splits[split]["loss_tokens"] = loss_tokens(plan, split, stats)
         for split, submitted in writing.items():
             splits[split]["shards"] = shard_entries(submitted.results(), split, plan, stats)
         log.info("data: tokenizer ready, documents tokenized and packed at %.1f s",
@@ -200,6 +219,7 @@ def build_from_snapshot(cfg: Config) -> DataResult:
             "sources": stats,
             "splits": splits,
             "heldout_docs": "val_docs.jsonl",
+            **({LOSS_MASKS: True, "chat_template_sha256": template_sha256(chat_template)} if chat else {}),
         }
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         # Beside the manifest, not in it: a change to this stage's code that leaves the data as
@@ -319,24 +339,39 @@ def training_texts(plan: w.Plan, partitions: int) -> Iterator[tuple[str, str]]:
 
 
 def count_tokens(plan: w.Plan, counts: list[dict[int, list[int]]], split: str, stats: dict[str, dict]) -> int:
+    """Adds each source's documents and tokens of the split's pieces (and for conversations, those
+    truncated and their loss tokens) to `stats`; returns the split's tokens."""
     tokens = 0
     for piece in counts:
-        for source, (documents, source_tokens) in piece.items():
-            stats[plan.labels[source]][f"{split}_documents"] += documents
-            stats[plan.labels[source]][f"{split}_tokens"] += source_tokens
+        for source, (documents, source_tokens, *conversations) in piece.items():
+            entry = stats[plan.labels[source]]
+            entry[f"{split}_documents"] += documents
+            entry[f"{split}_tokens"] += source_tokens
+            for key, value in zip(("truncated", "loss_tokens"), conversations, strict=False):
+                entry[f"{split}_{key}"] += value
             tokens += source_tokens
     return tokens
 
 
+def loss_tokens(plan: w.Plan, split: str, stats: dict[str, dict]) -> int:
+    """The split's loss tokens; training needs some: a row holds at most seq_len + 1 tokens of a
+    conversation, and a first assistant turn beyond them is cut away."""
+    total = sum(stats[label][f"{split}_loss_tokens"] for label in plan.labels)
+    if split == "train" and not total:
+        raise ValueError("no assistant token of the training conversations is left within a row of "
+                         "data.seq_len + 1 tokens: raise data.seq_len")
+    return total
+
+
 def shard_groups(split: str, pieces: tuple[str, ...], samples: int, dcfg: DataConfig, directory: Path,
-                 num_workers: int) -> list[w.ShardWork]:
-    """A split's shards, in groups for the workers to write."""
+                 num_workers: int, packing: str | None = None, pad_id: int = 0) -> list[w.ShardWork]:
+    """A split's shards, in groups for the workers to write; conversations by their `packing`."""
     per_shard = dcfg.samples_per_shard
     shards = [(number, start, min(start + per_shard, samples))
               for number, start in enumerate(range(0, samples, per_shard))]
     size = -(-len(shards) // (num_workers * SHARD_GROUPS_PER_WORKER))
-    return [w.ShardWork(n, split, tuple(shards[i:i + size]), pieces, dcfg.seq_len, str(directory))
-            for n, i in enumerate(range(0, len(shards), size))]
+    return [w.ShardWork(n, split, tuple(shards[i:i + size]), pieces, dcfg.seq_len, str(directory), packing,
+                        pad_id) for n, i in enumerate(range(0, len(shards), size))]
 
 
 def shard_entries(written: list[tuple[list[dict], dict[int, int]]], split: str, plan: w.Plan,
@@ -359,9 +394,31 @@ def concatenate(parts: list[Path], path: Path) -> None:
 
 
 def preflight_tokenizer(cfg: Config) -> None:
-    """The tokenizer to load, if one is configured or comes with the base, exists (the sources
-    and the snapshot are checked by the snapshot step's own preflight)."""
+    """The tokenizer to load, if one is configured or comes with the base, exists -- and for
+    conversations, with a chat template (the sources and the snapshot are checked by the
+    snapshot step's own preflight)."""
     tokenizer_source(cfg)
+    if cfg.sft:
+        chat_template_of(cfg)
+
+
+def chat_template_of(cfg: Config) -> str:
+    """The template conversations are rendered with: data.chat_template, else the run's tokenizer's."""
+    source = tokenizer_source(cfg)
+    if source is None:
+        raise ConfigError("sft renders conversations through the base's tokenizer and its chat template: set "
+                          "model.init_from (or data.tokenizer_path to a tokenizer directory)")
+    directory = str(source.parent)
+    return resolve_template(cfg.data.chat_template, load_chat_tokenizer(directory), directory)
+
+
+def save_chat_tokenizer(source: Path, chat_template: str, directory: Path) -> PreTrainedTokenizerBase:
+    """The run's tokenizer as it is -- its special tokens are those the template names -- with the
+    template the conversations were rendered with, saved in the transformers layout."""
+    tokenizer = AutoTokenizer.from_pretrained(str(source.parent))  # a copy: the cached one stays as it is
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(directory)
+    return tokenizer
 
 
 def tokenizer_source(cfg: Config) -> Path | None:
@@ -389,6 +446,8 @@ def build_fingerprint(cfg: Config, index: dict) -> str:
     digest.update(stage_named("data").code_hash().encode())
     if (source := tokenizer_source(cfg)) is not None:  # a loaded tokenizer counts by its content
         digest.update(f"tokenizer\0{sha256_file(source)}\0".encode())
+    if cfg.sft:
+        digest.update(f"chat_template\0{template_sha256(chat_template_of(cfg))}\0".encode())
     for entry in index["sources"]:
         digest.update(f"{entry['label']}\0{entry['sha256']}\0".encode())
     return digest.hexdigest()
@@ -413,14 +472,16 @@ def up_to_date_manifest(out_dir: Path, build_key: str) -> dict | None:
     return manifest
 
 
-def source_entry(source: SourceConfig) -> dict:
-    """The manifest's record of one source: provenance, then counts filled in as documents flow."""
+def source_entry(source: SourceConfig, conversations: bool = False) -> dict:
+    """The manifest's record of one source: provenance, then counts filled in as documents flow;
+    of conversations also those cut to a row and the loss tokens, per split."""
     where = {"path": source.path} if source.path else {"dataset": source.dataset} if source.dataset else {}
+    chat = {f"{split}_{key}": 0 for split in ("train", "val") for key in ("truncated", "loss_tokens")}
     return {"kind": source.kind, **where, "license": source.provenance or "unspecified",
             "weight": source.weight, "input": {"documents": 0, "bytes": 0}, "removed": {},
             "repaired_utf8": 0, "boilerplate_lines": 0, "pii_replaced": 0, "kept": 0,
             "train_documents": 0, "train_tokens": 0, "train_sequences": 0,
-            "val_documents": 0, "val_tokens": 0, "val_sequences": 0}
+            "val_documents": 0, "val_tokens": 0, "val_sequences": 0, **(chat if conversations else {})}
 
 
 def tokenizer_file(path: str) -> Path:

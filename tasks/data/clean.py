@@ -3,7 +3,11 @@ duplicates across partitions).
 
 Per document, in order: binary check, UTF-8 validation (drop or repair), normalization,
 boilerplate lines removed, optional PII scrubbing, length bounds, a repetition filter; then the
-exact-dedup key and a MinHash signature. Across documents: exact dedup by the normalized text's
+exact-dedup key and a MinHash signature. A conversation (`clean_conversation`) is checked for
+what makes it unusable -- invalid UTF-8, no content, an empty turn, no assistant turn or one
+that opens it -- its turns stripped of surrounding whitespace and optionally scrubbed of PII,
+and keyed on its roles and words; the line filters (boilerplate, repetition) and min_chars are
+for documents, not for the short turns of a chat. Across documents: exact dedup by the normalized text's
 hash, then near-dedup on the signatures' LSH bands, with the bands datasketch's MinHashLSH
 chooses.
 """
@@ -11,6 +15,7 @@ chooses.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -19,6 +24,7 @@ import numpy as np
 from datasketch import MinHash, MinHashLSH
 
 from forgeline.configs.schema import CleaningConfig
+from forgeline.tasks.data.chat import conversation_text
 
 # Fixed so that signatures, and so the dedup decisions, are the same on every run.
 MINHASH_SEED = 1
@@ -86,6 +92,48 @@ def clean_document(data: bytes | None, cfg: CleaningConfig, with_signature: bool
         signature=minhash_signature(words, cfg) if with_signature else None,
         repaired=repaired,
         boilerplate_lines=len(lines) - len(kept),
+        pii_replaced=pii,
+    )
+
+
+def clean_conversation(data: bytes | None, cfg: CleaningConfig, with_signature: bool) -> Cleaned:
+    """A conversation (chat.py `conversation_text`) cleaned, or the reason it was dropped; its text
+    is the cleaned conversation's."""
+    if data is None:
+        return Cleaned("too_long")
+    repaired = False
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        if cfg.invalid_utf8 == "drop":
+            return Cleaned("invalid_utf8")
+        text, repaired = data.decode("utf-8", errors="replace"), True
+    messages = [{"role": m["role"], "content": m["content"].strip()} for m in json.loads(text)]
+    if not any(m["content"] for m in messages):
+        return Cleaned("empty")
+    if not all(m["content"] for m in messages):
+        return Cleaned("empty_turn")
+    if all(m["role"] != "assistant" for m in messages):
+        return Cleaned("no_assistant_turn")
+    if messages[0]["role"] == "assistant":
+        return Cleaned("assistant_first")  # nothing prompts it: a model cannot learn when to say it
+    pii = 0
+    if cfg.scrub_pii:
+        for message in messages:
+            for placeholder, pattern in PII_PATTERNS:
+                message["content"], count = pattern.subn(placeholder, message["content"])
+                pii += count
+    if sum(len(m["content"]) for m in messages) > cfg.max_chars:
+        return Cleaned("too_long")
+    text = conversation_text(messages)
+    words = WORD.findall("\n".join(f"{m['role']}\n{m['content']}" for m in messages).lower())
+    return Cleaned(
+        removed_by=None,
+        text=text,
+        sha256=hashlib.sha256(text.encode()).hexdigest(),
+        dedup_key=hashlib.sha256(" ".join(words).encode()).hexdigest(),
+        signature=minhash_signature(words, cfg) if with_signature else None,
+        repaired=repaired,
         pii_replaced=pii,
     )
 

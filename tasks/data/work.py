@@ -18,9 +18,13 @@ worker changes nothing. The phases, in build.py's order:
    near-duplicate pairs remove a document (the later one, if the earlier is kept) is decided
    in document order by build.py, exactly as one process offering the documents in order would.
 3. `tokenize_piece`: a range of mixing keys (sorted: the training order) or a partition's
-   validation documents, tokenized, each document followed by EOS.
+   validation documents, tokenized, each document followed by EOS -- or, for supervised
+   fine-tuning, conversations rendered through the chat template (chat.py) with their loss
+   masks, each cut to one row.
 4. `write_shard_group`: shards cut from the split's token stream -- the pieces in order -- with
-   the sequences each source contributes to.
+   the sequences each source contributes to. Conversations are not cut: they are packed whole,
+   several to a row, in stream order (`pack_rows`, decided by build.py over the whole split),
+   the rest of a row padded and masked out.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from tokenizers import Tokenizer
 
 from forgeline.configs.schema import CleaningConfig
 from forgeline.model.training.shards import write_shard
-from forgeline.tasks.data.clean import Cleaned, clean_document, lsh_bands
+from forgeline.tasks.data.chat import ChatTemplateError, conversation_of, load_chat_tokenizer, render
+from forgeline.tasks.data.clean import Cleaned, clean_conversation, clean_document, lsh_bands
 from forgeline.tasks.data.snapshot import Member, read_member
 
 # Records of the shuffle: the bucket (which reducer), the key, the document.
@@ -47,6 +52,9 @@ KEYED = np.dtype([("bucket", "<u4"), ("key", "V32"), ("doc", "<i8")])
 SUMMARY = np.dtype([("doc", "<i8"), ("source", "<i2"), ("val", "?"), ("repaired", "?"),
                     ("boilerplate_lines", "<i8"), ("pii_replaced", "<i8")])
 PIECE_DOCS = np.dtype([("length", "<i8"), ("source", "<i2")])  # per tokenized document
+# Per rendered conversation of a piece: beside its length and source, what the manifest counts.
+PIECE_CONVERSATIONS = np.dtype([("length", "<i8"), ("source", "<i2"), ("truncated", "?"),
+                                ("loss_tokens", "<i8")])
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,7 @@ class Plan:
     val_fraction: float
     buckets: int  # reducers of the dedup shuffle
     partition_firsts: tuple[int, ...]  # the first document of each partition
+    conversations: bool = False  # the documents are conversations (supervised fine-tuning)
 
     @property
     def ranges(self) -> int:
@@ -98,6 +107,15 @@ class BucketWork:
 
 
 @dataclass(frozen=True)
+class ChatWork:
+    """How conversations are rendered: the Hugging Face tokenizer directory holding the chat
+    template, and the tokens of a row, which a longer conversation is cut to."""
+
+    tokenizer: str
+    row_tokens: int
+
+
+@dataclass(frozen=True)
 class PieceWork:
     number: int
     split: str  # train: a range of mixing keys over all partitions; val: one partition's documents
@@ -106,6 +124,7 @@ class PieceWork:
     eos_id: int
     dtype: str
     plan: Plan
+    chat: ChatWork | None = None  # conversations: rendered through the template, not joined by EOS
 
     def describe(self) -> str:
         what = f"mixing-key range {self.number}" if self.split == "train" else f"partition {self.number}"
@@ -124,6 +143,8 @@ class ShardWork:
     pieces: tuple[str, ...]  # the token pieces of the split, in stream order
     seq_len: int
     out_dir: str
+    packing: str | None = None  # conversations: the stem of the split's packing (`write_packing`)
+    pad_id: int = 0  # conversations: what fills a row after its last one
 
     def describe(self) -> str:
         return f"{self.split} shards {self.shards[0][0]}..{self.shards[-1][0]}"
@@ -148,12 +169,13 @@ def clean_partition(work: PartitionWork) -> CleanSummary:
     code = {label: index for index, label in enumerate(plan.labels)}
     summary = CleanSummary({}, {}, {})
     kept: list[tuple[int, int, Cleaned, str]] = []
+    clean = clean_conversation if plan.conversations else clean_document
     for member in work.members:
         for offset, raw in enumerate(read_member(Path(plan.raw_dir), member)):
             source = code[raw.source]
             summary.input_documents[source] = summary.input_documents.get(source, 0) + 1
             summary.input_bytes[source] = summary.input_bytes.get(source, 0) + raw.size
-            cleaned = clean_document(raw.data, cfg, with_signature=bool(cfg.near_dedup_threshold))
+            cleaned = clean(raw.data, cfg, with_signature=bool(cfg.near_dedup_threshold))
             if cleaned.removed_by is not None:
                 counts = summary.removed.setdefault(source, {})
                 counts[cleaned.removed_by] = counts.get(cleaned.removed_by, 0) + 1
@@ -325,9 +347,14 @@ def tokenize_piece(work: PieceWork) -> dict[int, list[int]]:
     else:
         records = validation_documents(plan, work.number)
         texts_sources = [(text, source) for _, source, _, text in records]
-        write_bytes(work.stem.with_suffix(".jsonl"), "".join(
-            json.dumps({"source": plan.labels[source], "name": name, "text": text}) + "\n"
-            for _, source, name, text in records).encode())
+        if work.chat is None:
+            write_bytes(work.stem.with_suffix(".jsonl"), "".join(
+                json.dumps({"source": plan.labels[source], "name": name, "text": text}) + "\n"
+                for _, source, name, text in records).encode())
+    if work.chat is not None:
+        names = ([f"{plan.labels[source]} document {doc}" for _, doc, source, _, _ in records]
+                 if work.split == "train" else [name for _, _, name, _ in records])
+        return render_piece(work, texts_sources, names)
     tokenizer = load_tokenizer(work.tokenizer)
     # The _fast variant skips character offsets, which packing does not need.
     encodings = tokenizer.encode_batch_fast([text for text, _ in texts_sources], add_special_tokens=False)
@@ -344,6 +371,41 @@ def tokenize_piece(work: PieceWork) -> dict[int, list[int]]:
     for source in np.unique(docs["source"]):
         mine = docs["length"][docs["source"] == source]
         counts[int(source)] = [len(mine), int(mine.sum()) + len(mine)]
+    return counts
+
+
+def render_piece(work: PieceWork, texts_sources: list[tuple[str, int]], names: list[str],
+                 ) -> dict[int, list[int]]:
+    """The piece's conversations rendered through the chat template, each cut to a row: their
+    token ids and loss masks one after the other, and per conversation its length, source,
+    whether it was cut and its loss tokens; the validation split's conversations also as text
+    (val_docs.jsonl). Returns per source index [conversations, tokens, truncated, loss tokens]."""
+    plan, tokenizer = work.plan, load_chat_tokenizer(work.chat.tokenizer)
+    rendered = []
+    for (text, source), name in zip(texts_sources, names, strict=True):
+        messages = conversation_of(text)
+        try:
+            rendered.append(render(tokenizer, messages, work.chat.row_tokens))
+        except ChatTemplateError as err:
+            raise ChatTemplateError(f"{name} of {plan.labels[source]}: {err}") from None
+    if work.split == "val":
+        write_bytes(work.stem.with_suffix(".jsonl"), "".join(
+            json.dumps({"source": plan.labels[source], "name": name, "text": chat.text,
+                        "messages": conversation_of(text)}) + "\n"
+            for (text, source), name, chat in zip(texts_sources, names, rendered, strict=True)).encode())
+    docs = np.array([(len(chat.ids), source, chat.truncated, int(chat.mask.sum()))
+                     for chat, (_, source) in zip(rendered, texts_sources, strict=True)],
+                    dtype=PIECE_CONVERSATIONS)
+    write_array(Path(f"{work.stem}.ids.npy"), np.concatenate(
+        [chat.ids for chat in rendered] or [np.zeros(0, np.int64)]).astype(work.dtype))
+    write_array(Path(f"{work.stem}.mask.npy"), np.concatenate(
+        [chat.mask for chat in rendered] or [np.zeros(0, np.uint8)]))
+    write_array(Path(f"{work.stem}.docs.npy"), docs)
+    counts: dict[int, list[int]] = {}
+    for source in np.unique(docs["source"]):
+        mine = docs[docs["source"] == source]
+        counts[int(source)] = [len(mine), int(mine["length"].sum()), int(mine["truncated"].sum()),
+                               int(mine["loss_tokens"].sum())]
     return counts
 
 
@@ -364,6 +426,8 @@ def piece_tokens(stem: str) -> int:
 
 def write_shard_group(work: ShardWork) -> tuple[list[dict], dict[int, int]]:
     """The group's shards, and per source index the number of its samples holding its tokens."""
+    if work.packing is not None:
+        return write_conversation_shard_group(work)
     stream = TokenStream(work.pieces)
     entries, sequences = [], {}
     seq_len = work.seq_len
@@ -384,11 +448,69 @@ def write_shard_group(work: ShardWork) -> tuple[list[dict], dict[int, int]]:
     return entries, sequences
 
 
-class TokenStream:
-    """The concatenated token pieces of a split, read by position without loading them."""
+def pack_rows(lengths: np.ndarray, row_tokens: int) -> np.ndarray:
+    """Conversations of these token lengths (each at most `row_tokens`), in order, packed into
+    rows of `row_tokens`: a row takes the next one while it fits. Returns the first conversation
+    of each row, and their number at the end."""
+    firsts, used = [0], 0
+    for number, length in enumerate(lengths.tolist()):
+        if used + length > row_tokens:
+            firsts.append(number)
+            used = 0
+        used += length
+    return np.array(firsts + [len(lengths)], np.int64)
 
-    def __init__(self, pieces: tuple[str, ...]):
-        self.pieces = pieces
+
+def write_packing(stem: Path, pieces: tuple[str, ...], row_tokens: int) -> int:
+    """Packs a split's conversations (its pieces in order) into rows, written beside `stem`: the
+    conversations' stream offsets and sources, each row's first conversation. Returns the rows."""
+    docs = np.concatenate([np.load(f"{piece}.docs.npy") for piece in pieces])
+    write_array(stem.with_suffix(".offsets.npy"), np.concatenate([[0], np.cumsum(docs["length"])]))
+    write_array(stem.with_suffix(".sources.npy"), docs["source"])
+    rows = pack_rows(docs["length"], row_tokens)
+    write_array(stem.with_suffix(".rows.npy"), rows)
+    return len(rows) - 1
+
+
+def write_conversation_shard_group(work: ShardWork) -> tuple[list[dict], dict[int, int]]:
+    """Shards of packed conversations (`write_packing`): per row its tokens, padded to seq_len + 1,
+    the conversation starts, and the loss mask -- 0 on the padding, and on each conversation's
+    first token, which nothing in its own conversation predicts."""
+    stem = Path(work.packing)
+    offsets, sources = np.load(stem.with_suffix(".offsets.npy")), np.load(stem.with_suffix(".sources.npy"))
+    rows = np.load(stem.with_suffix(".rows.npy"))
+    tokens, masks = TokenStream(work.pieces), TokenStream(work.pieces, "mask")
+    row_tokens = work.seq_len + 1
+    entries, sequences = [], {}
+    for number, first, end in work.shards:
+        lo, hi = int(offsets[rows[first]]), int(offsets[rows[end]])
+        shard_tokens, shard_masks = tokens.tokens(lo, hi), masks.tokens(lo, hi)
+        samples, starts, loss_masks = [], [], []
+        for row in range(first, end):
+            a, b = rows[row], rows[row + 1]
+            begin, stop = int(offsets[a]) - lo, int(offsets[b]) - lo
+            sample = np.full(row_tokens, work.pad_id, dtype=shard_tokens.dtype)
+            sample[:stop - begin] = shard_tokens[begin:stop]
+            mask = np.zeros(row_tokens, np.uint8)
+            mask[:stop - begin] = shard_masks[begin:stop]
+            row_starts = (offsets[a:b] - offsets[a]).astype(np.int32)
+            mask[row_starts] = 0
+            samples.append(sample)
+            starts.append(row_starts)
+            loss_masks.append(mask)
+            for source in np.unique(sources[a:b]).tolist():
+                sequences[source] = sequences.get(source, 0) + 1
+        entries.append(write_shard(Path(work.out_dir), work.split, number, samples, starts, first,
+                                   loss_masks))
+    return entries, sequences
+
+
+class TokenStream:
+    """The concatenated token pieces of a split (or another per-token array of theirs, such as
+    the loss masks), read by position without loading them."""
+
+    def __init__(self, pieces: tuple[str, ...], field: str = "ids"):
+        self.pieces, self.field = pieces, field
         sizes = [piece_tokens(stem) for stem in pieces]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
@@ -400,7 +522,7 @@ class TokenStream:
     def tokens(self, lo: int, hi: int) -> np.ndarray:
         parts = []
         for k in self.overlapping(lo, hi):
-            ids = np.load(f"{self.pieces[k]}.ids.npy", mmap_mode="r")
+            ids = np.load(f"{self.pieces[k]}.{self.field}.npy", mmap_mode="r")
             base = self.offsets[k]
             parts.append(np.array(ids[max(lo - base, 0):min(hi - base, len(ids))]))
         return np.concatenate(parts)

@@ -40,7 +40,7 @@ from forgeline.tasks.pretrained import Base, check_data_tokenizer, resolve_base,
 from forgeline.tasks.tracking import DATASET_NAME, RunTracker, dvc_hash, git_info, resolve_tracking_uri
 from forgeline.tasks.train.alerts import AlertForwarder
 from forgeline.tasks.train.curves import write_loss_curve
-from forgeline.tasks.train.launch import LaunchError, run_streaming
+from forgeline.tasks.train.launch import LaunchError, LaunchTimeout, run_streaming
 from forgeline.tasks.train.slurm import run_slurm_job
 
 log = logging.getLogger(__name__)
@@ -229,6 +229,8 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
         if report:
             raise TrainingUnstable(report) from None
         if (preempted := take_preemption_record(outputs)) is not None:
+            if isinstance(err, LaunchTimeout):  # the ranks saved on the way out; the limit stopped them
+                raise LaunchTimeout(f"{err}\n{describe_preemption(preempted)}") from None
             raise TrainPreempted(describe_preemption(preempted), preempted) from None
         if rank_exceptions:  # lead with what went wrong, not with torchrun's summary
             raise LaunchError(f"training failed: {rank_exceptions[-1]}\n{err}") from None
@@ -290,7 +292,8 @@ def rank_config_yaml(cfg: Config) -> str:
     concerns training -- not the rest, which is no input of the stage (the parent run keeps the
     whole config), so that a rerun of a stage after this one does not change this stage's output.
     Python mode, not JSON: YAML keeps what JSON cannot (a NaN in a callback argument, say)."""
-    read = cfg.model_dump(include={"data", "model", "parallel", "train", "checkpoint"})
+    sft = {"sft"} if cfg.sft is not None else set()  # a pretraining run's config stays as it was
+    read = cfg.model_dump(include={"data", "model", "parallel", "train", "checkpoint", *sft})
     read["eval"] = cfg.eval.model_dump(include={"during_training", "batch_size"})
     return yaml.safe_dump(read, sort_keys=False)
 

@@ -8,6 +8,7 @@ import collections
 import contextvars
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 class LaunchError(RuntimeError):
     """The launched job failed or timed out; the message carries the tail of its output."""
+
+
+class LaunchTimeout(LaunchError):
+    """The launched job ran past its wall-clock limit (train.timeout_s) and was stopped."""
 
 
 def run_streaming(cmd: Sequence[str], env: Mapping[str, str], timeout_s: float,
@@ -39,7 +44,7 @@ def run_streaming(cmd: Sequence[str], env: Mapping[str, str], timeout_s: float,
         while proc.poll() is None:
             if time.monotonic() > deadline:
                 _kill_group(proc, grace_s)
-                raise LaunchError(f"{cmd[0]} timed out after {timeout_s:.0f}s; process group killed"
+                raise LaunchTimeout(f"{cmd[0]} timed out after {timeout_s:.0f}s; process group killed"
                                   + _format_tail(tail))
             time.sleep(0.2)
     finally:
@@ -67,9 +72,32 @@ def _pump(proc: subprocess.Popen, logger: logging.Logger, tail: collections.dequ
         line = line.rstrip()
         if line:
             tail.append(line)
-            logger.info("%s", line)
+            relay_line(logger, line)
             if on_line is not None:
                 on_line(line)
+
+
+# A rank's log line (model/training/worker.py): "[rank0] 2026-12-03 20:58:51,713 INFO name: message".
+RANK_LINE = re.compile(r"\[rank(\d+)\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
+                       r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) ([\w.]+): (.*)")
+# The training progress line of model/training/metrics.py: "... step 5/20  loss 6.659 ...".
+STEP_PROGRESS = re.compile(r"step (\d+)/(\d+)\s+(.*)")
+METRICS_LOGGER = "forgeline.model.training.metrics"
+
+
+def relay_line(logger: logging.Logger, line: str) -> None:
+    """A line of the launched job's output as a record of this process: a rank's log line to
+    the logger that logged it there, at its level, stamped once ("[rank0] message": this
+    process's handlers add the time), with its step as the record's `progress`
+    (flows/console.py draws it); any other line (torchrun's own, a traceback) to `logger` as it is."""
+    match = RANK_LINE.fullmatch(line)
+    if match is None:
+        logger.info("%s", line)
+        return
+    rank, level, name, message = match.groups()
+    step = STEP_PROGRESS.search(message) if name == METRICS_LOGGER else None
+    extra = {} if step is None else {"progress": (int(step[1]), int(step[2]), step[3])}
+    logging.getLogger(name).log(logging.getLevelName(level), "[rank%s] %s", rank, message, extra=extra)
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:

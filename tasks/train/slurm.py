@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forgeline.configs import Config
-from forgeline.tasks.train.launch import LaunchError
+from forgeline.tasks.train.launch import LaunchError, LaunchTimeout, relay_line
 
 # Job states after which the job runs no more (squeue's and scontrol's names) -- but for PREEMPTED
 # with --requeue, which Slurm shows until the job's steps are gone and it is requeued.
@@ -169,7 +169,7 @@ def follow(job_id: str, output: Path, cfg: Config, deadline: float, logger: logg
 
     def forward_new_lines() -> None:
         for line in reader.new_lines():
-            logger.info("%s", line)
+            relay_line(logger, line)
             if on_line is not None:
                 on_line(line)
 
@@ -180,7 +180,7 @@ def follow(job_id: str, output: Path, cfg: Config, deadline: float, logger: logg
     while True:
         now = time.monotonic()
         if now > deadline:
-            raise LaunchError(f"Slurm job {job_id} had not ended after train.timeout_s "
+            raise LaunchTimeout(f"Slurm job {job_id} had not ended after train.timeout_s "
                               f"({cfg.train.timeout_s} s from its submission, queue wait included), so it "
                               f"is cancelled; raise train.timeout_s if it needs longer. Its output: {output}")
         try:

@@ -29,7 +29,7 @@ LIMIT = 3
 ITEMS = {  # rows each extracted benchmark must have
     "gsm8k.jsonl": 1319, "math500.jsonl": 500, "mbpp.jsonl": 500, "lambada.jsonl": 5153,
     "mmlu_test.jsonl": 14042, "mmlu_dev.jsonl": 285, "humaneval.jsonl": 164, "stereoset.jsonl": 4229,
-    "crows_pairs.jsonl": 1018, "donotanswer.jsonl": 939,
+    "crows_pairs.jsonl": 1018, "donotanswer.jsonl": 939, "ifeval.jsonl": 541,
 }
 
 

@@ -25,6 +25,19 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     run_id = re.search(r"MLflow run: (\w+)", done.stdout).group(1)
     assert "Registered model: forgeline-debug version 1" in done.stdout
 
+    # The console: one line per event, the time and the stage once; the libraries' lines and bars
+    # are in each stage's log file (and its MLflow run), not here.
+    console = done.stderr.splitlines()
+    assert len(console) <= 70, done.stderr
+    for noise in ("%|", "Warning:", "fatal: not a git repository", "lm_eval", "Task run '", "Traceback"):
+        assert noise not in done.stderr, noise
+    assert not [line for line in console if re.search(r"\[rank\d\] \d{4}-", line)]  # one time stamp
+    assert any(re.fullmatch(r"\d\d:\d\d:\d\d train    \[rank0\] \[#{20}\] 100% step 20/20  loss .*", line)
+               for line in console), done.stderr
+    logs = tmp_path / "artifacts" / "logs"
+    assert "INFO lm_eval.evaluator: " in (logs / "eval.log").read_text()
+    assert "INFO forgeline.model.training.metrics: [rank0] " in (logs / "train.log").read_text()
+
     # Data: shards and manifest, every checksum verifying.
     data_dir = tmp_path / "artifacts" / "data"
     manifest = read_manifest(data_dir)
@@ -54,13 +67,16 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     by_name = {c.data.tags[STAGE_TAG]: c for c in children}
     assert set(by_name) == {"data", "train", "eval", "register"}
     assert all(c.info.status == "FINISHED" for c in children)
+    assert all(f"logs/{name}.log" in {a.path for a in client.list_artifacts(c.info.run_id, "logs")}
+               for name, c in by_name.items())
     assert [m.step for m in client.get_metric_history(by_name["train"].info.run_id, "loss")] == \
         list(range(1, 21))
     eval_metrics = by_name["eval"].data.metrics
     assert 0 <= eval_metrics["forgeline_arc_easy/acc"] <= 1
     assert eval_metrics["forgeline_heldout/bits_per_byte"] > 0
     assert any(k.startswith("system/cpu_utilization_percentage") for k in by_name["train"].data.metrics)
-    dimensions = {"reasoning", "knowledge", "math", "code", "safety", "language_modeling"}
+    dimensions = {"reasoning", "knowledge", "math", "code", "safety", "language_modeling",
+                  "instruction_following"}
     assert {k.split("/")[1] for k in eval_metrics if k.startswith("dimension/")} == dimensions
     assert "overall" in eval_metrics and "eval/overall" in parent.data.metrics
     assert re.search(r"Eval \(chance-normalized, 0 = chance, 1 = best; ± 95 % interval\): overall "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from forgeline.model.checkpoint.manager import committed_checkpoints, read_check
 from forgeline.model.inference import load_from_checkpoint
 from forgeline.tasks.runner import STAGE_TAG
 from forgeline.tasks.train.job import TrainPreempted, TrainResult, train_model
+from forgeline.tasks.train.launch import LaunchTimeout
 from tests.conftest import REPO_ROOT, debug_config
 from tests.integration.helpers import VENV_BIN, prefect_flow_runs, user_env
 from tests.integration.test_recovery import callbacks
@@ -141,3 +143,19 @@ def logged_step(spool: Path, step: int) -> bool:
     timestamp, step])."""
     loss = re.compile(rf'\["loss", [^\]]*, {step}\]')
     return any(loss.search(path.read_text()) for path in spool.glob("*/rank0-*.jsonl"))
+
+
+@pytest.mark.slow
+def test_a_job_past_train_timeout_s_saves_its_step_and_says_the_limit_stopped_it(data_root: Path,
+                                                                                 tmp_path: Path) -> None:
+    """train.timeout_s stops the job as a preemption does -- the ranks get SIGTERM and save the step
+    they are in -- and the error says the limit stopped it, with the step that was saved (it read
+    as a preemption by SIGTERM before, the limit unnamed)."""
+    cfg = debug_config(tmp_path, f"data.out_dir={data_root / 'data'}", *BASE, "train.timeout_s=45",
+                       callbacks(("SlowSteps", {"seconds": 3})))  # 24 steps: 72 s and more
+    with pytest.raises(LaunchTimeout, match=r"timed out after 45s") as raised:
+        train_model(cfg)
+    [saved] = committed_checkpoints(Path(cfg.train.out_dir) / "checkpoints")
+    assert 0 < saved.step < STEPS
+    saved_step = f"preempted by SIGTERM on {socket.gethostname()}: step {saved.step} was committed"
+    assert saved_step in str(raised.value)

@@ -24,7 +24,7 @@ def test_a_recorded_run_reproduces_its_data_and_scores(tmp_path: Path) -> None:
     lines = again.stdout.splitlines()
     assert f"reproduced run {run_id} as" in again.stdout
     checked = [line.split()[1] for line in lines if line.startswith("  ")]
-    assert checked[0] == "data" and "overall:" in checked and len(checked) == 8  # data, overall, 6 dimensions
+    assert checked[0] == "data" and "overall:" in checked and len(checked) == 9  # data, overall, 7 dimensions
     assert all(line.split()[0] == "same" for line in lines if line.startswith("  ")), again.stdout
     assert (tmp_path / "reproduce" / run_id / "train" / "train.json").is_file()
 

@@ -49,7 +49,7 @@ def test_the_train_stage_runs_as_a_slurm_job_of_four_ranks(data_root: Path, tmp_
     monkeypatch.chdir(tmp_path)
     data = f"data.out_dir={data_root / 'data'}"
     local = train_model(debug_config(tmp_path / "local", data, *BASE, *PP2_DP2))
-    caplog.set_level(logging.INFO, logger="forgeline.tasks.train.job")
+    caplog.set_level(logging.INFO, logger="forgeline")  # the stage's and its ranks' relayed lines
     cfg = debug_config(tmp_path / "slurm", f"data.out_dir={data_root / 'data'}", *BASE, *PP2_DP2,
                        "parallel.launcher=slurm")
     result = train_model(cfg)
@@ -69,7 +69,7 @@ def test_a_signalled_slurm_job_saves_its_step_requeues_and_resumes(
     monkeypatch.chdir(tmp_path)
     reference = train_model(debug_config(tmp_path / "local", f"data.out_dir={data_root / 'data'}", *BASE,
                                          "parallel.dp_shard=2"))
-    caplog.set_level(logging.INFO, logger="forgeline.tasks.train.job")
+    caplog.set_level(logging.INFO, logger="forgeline")  # the stage's and its ranks' relayed lines
     cue = tmp_path / "signalled"
     wait = callbacks(("WaitBefore", {"step": 11, "until": str(cue)}))
     cfg = debug_config(tmp_path / "slurm", f"data.out_dir={data_root / 'data'}", *BASE, "parallel.dp_shard=2",

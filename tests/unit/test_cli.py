@@ -136,11 +136,12 @@ def test_the_message_lists_the_stages_a_rerun_skips(tmp_path: Path) -> None:
     import httpx
 
     from forgeline.flows.cli import unreported_message
-    from forgeline.tasks.stage import STAGES
+    from forgeline.tasks.stage import pipeline_stages
     from tests.conftest import debug_config
 
     record = pending_record("http://127.0.0.1:1/api", state="FAILED")
-    message = unreported_message(record, httpx.ConnectError("refused"), STAGES, debug_config(tmp_path))
+    cfg = debug_config(tmp_path)
+    message = unreported_message(record, httpx.ConnectError("refused"), pipeline_stages(cfg), cfg)
     assert ("finished: none, not finished: data, train, eval, register (a rerun skips the finished ones"
             in message)
     assert f"flow run {record.flow_run_id} (forgeline-train) stays Running" in message

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from forgeline.tasks.code_inputs import PACKAGE_DATA, code_files, collapsed, imports_of
-from forgeline.tasks.stage import BASE, STAGES, stage_named
+from forgeline.tasks.stage import BASE, STAGE_NAMES, STAGES, stage_named
 from tests.conftest import REPO_ROOT
 
 LAYERS = ("configs", "model", "eval", "tasks", "flows")
@@ -133,11 +133,11 @@ def test_a_byte_in_a_helper_module_changes_the_key_of_each_stage_that_runs_it(tm
 
     touch(package / "model" / "inference.py")  # imported by eval/lm.py, not by the data stage
     after = code_hashes(package)
-    assert {name for name in before if after[name] != before[name]} == {"train", "eval", "register"}
+    assert {name for name in before if after[name] != before[name]} == {"train", "sft", "eval", "register"}
 
     touch(package / "eval" / "tasks" / "forgeline_boolq.yaml")  # a template the suite renders
     again = code_hashes(package)
-    assert {name for name in after if again[name] != after[name]} == {"train", "eval", "register"}
+    assert {name for name in after if again[name] != after[name]} == {"train", "sft", "eval", "register"}
 
     touch(package / "tasks" / "data" / "clean.py")
     last = code_hashes(package)
@@ -145,4 +145,4 @@ def test_a_byte_in_a_helper_module_changes_the_key_of_each_stage_that_runs_it(tm
 
     touch(package / "configs" / "schema.py")  # imported by every stage
     shared = code_hashes(package)
-    assert {name for name in last if shared[name] != last[name]} == {"data", "train", "eval", "register"}
+    assert {name for name in last if shared[name] != last[name]} == set(STAGE_NAMES)

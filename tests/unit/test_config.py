@@ -4,7 +4,7 @@ import pytest
 
 from forgeline.configs import Config, ConfigError, load_config, shipped_configs
 from forgeline.configs.loader import config_docs
-from forgeline.configs.schema import CleaningConfig, Section, SourceConfig
+from forgeline.configs.schema import CleaningConfig, LoraConfig, Section, SFTConfig, SourceConfig
 
 
 @pytest.mark.parametrize("path", shipped_configs(), ids=lambda p: p.name)
@@ -19,8 +19,9 @@ def test_default_is_the_embedded_tiny_config() -> None:
 
 
 def test_every_field_is_documented() -> None:
-    sections = [Config] + [Config.model_fields[name].annotation for name in Config.model_fields]
-    sections += [SourceConfig, CleaningConfig]
+    sections = [Config] + [Config.model_fields[name].annotation for name in Config.model_fields
+                           if name != "sft"]  # SFTConfig | None: below
+    sections += [SourceConfig, CleaningConfig, SFTConfig, LoraConfig]
     for section in sections:
         assert issubclass(section, Section)
         for name, field in section.model_fields.items():
@@ -80,7 +81,7 @@ def test_inconsistent_values_fail_with_the_numbers(overrides: list[str], message
 
 
 def test_missing_config_file_lists_the_shipped_ones(tmp_path: Path) -> None:
-    shipped = "corpus-docs.yaml, debug.yaml, smollm2-cpt.yaml, tiny-single.yaml, tiny.yaml"
+    shipped = "corpus-docs.yaml, debug.yaml, smollm2-cpt.yaml, smollm2-sft.yaml, tiny-single.yaml, tiny.yaml"
     with pytest.raises(ConfigError, match=f"not found; shipped configs: {shipped}"):
         load_config(tmp_path / "nope.yaml")
 

@@ -217,11 +217,11 @@ def test_existing_tokenizer_is_loaded_instead_of_trained(tmp_path: Path) -> None
 
 def test_pipeline_preflight_checks_the_sources(tmp_path: Path) -> None:
     from forgeline.tasks.runner import preflight
-    from forgeline.tasks.stage import STAGES
+    from forgeline.tasks.stage import pipeline_stages
 
     cfg = debug_config(tmp_path, f"data.sources=[{{kind: files, path: '{tmp_path}/missing/*.txt'}}]")
     with pytest.raises(FileNotFoundError, match="missing/\\*.txt"):
-        preflight(cfg, STAGES)
+        preflight(cfg, pipeline_stages(cfg))
 
 
 def read_all(**source: object) -> list[RawDocument]:

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import lm_eval
 import pytest
-import yaml
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml  # reads `!function` tags unresolved
 
 import forgeline.eval
 from forgeline.configs import load_config
+from forgeline.configs.schema import EvalConfig
 from forgeline.eval.dimensions import DIMENSION_TASKS, TaskScore
 from forgeline.eval.scores import (
     Z95,
@@ -176,8 +176,9 @@ def test_lm_eval_results_are_flattened_without_stderr_or_aliases() -> None:
 
 
 def test_every_dimension_is_registered_and_the_default_plan_covers_it() -> None:
-    assert set(DIMENSION_TASKS) == {"reasoning", "knowledge", "math", "code", "safety", "language_modeling"}
-    plan = plan_tasks(load_config("tiny.yaml").eval)
+    assert set(DIMENSION_TASKS) == {"reasoning", "knowledge", "math", "code", "safety", "language_modeling",
+                                    "instruction_following"}
+    plan = plan_tasks(EvalConfig())
     assert set(plan) == set(DIMENSION_TASKS) and all(scores for scores, _ in plan.values())
 
 
@@ -191,14 +192,14 @@ def test_a_task_outside_its_dimension_is_refused_before_any_work() -> None:
 def included_builtin_task(task: str) -> str | None:
     """The `task:` of the lm-eval file a packaged task YAML includes (None for a template)."""
     suite = Path(forgeline.eval.__file__).parent / "tasks"
-    include = yaml.safe_load((suite / f"{task}.yaml").read_text())["include"]
+    include = load_yaml(suite / f"{task}.yaml", resolve_func=False, recursive=False)["include"]
     builtin = Path(lm_eval.__file__).parent / "tasks" / include.removeprefix("${LM_EVAL_TASKS}/")
     return load_yaml(builtin, resolve_func=False, recursive=False).get("task")
 
 
 def test_hub_source_runs_lm_evals_standard_task_of_the_same_benchmark() -> None:
-    packaged = plan_tasks(load_config("tiny.yaml").eval)
-    hub = plan_tasks(load_config("tiny.yaml", ["eval.task_source=hub"]).eval)
+    packaged = plan_tasks(EvalConfig())  # every dimension
+    hub = plan_tasks(EvalConfig(task_source="hub"))
     standard = set(TaskManager().all_tasks)
     for name, (scores, _) in packaged.items():
         for local, remote in zip(scores, hub[name][0], strict=True):

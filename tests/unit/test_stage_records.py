@@ -15,7 +15,18 @@ import yaml
 
 from forgeline.configs import load_config
 from forgeline.flows.cli import build_parser, main
-from forgeline.tasks.stage import BASE, PACKAGE_ROOT, STAGE_NAMES, STAGES, Stage, resolve, stage_named
+from forgeline.tasks.stage import (
+    BASE,
+    PACKAGE_ROOT,
+    STAGE_NAMES,
+    STAGES,
+    Stage,
+    check_in_pipeline,
+    pipeline_stages,
+    producer,
+    resolve,
+    stage_named,
+)
 from tests.conftest import REPO_ROOT, debug_config
 from tests.unit.test_pretrained import TINY, save_base
 
@@ -109,7 +120,7 @@ def test_the_base_is_in_the_key_of_the_stages_that_read_it_by_content(tmp_path: 
     for name in ("data", "train"):  # what the stages read must exist to be hashed
         stage_named(name).done_marker(cfg).parent.mkdir(parents=True)
     Path(cfg.data.raw_dir).mkdir()
-    reading = [stage for stage in STAGES if stage.reads_base]
+    reading = [stage for stage in pipeline_stages(cfg) if stage.reads_base]
     assert [stage.name for stage in reading] == ["data", "train", "eval"]
     before = {stage.name: stage_inputs(stage, cfg)[BASE.name] for stage in reading}
     assert before["train"]["init_from"] == str(base) and len(before["train"]["weights_sha256"]) == 64
@@ -132,3 +143,29 @@ def test_the_base_is_in_the_key_of_the_stages_that_read_it_by_content(tmp_path: 
     assert json.loads(stamp.read_text()) == after["train"]
     assert main(["stage", "register", "--base-only", "--config", str(config_file)]) == 2
     assert "--base-only is for data, train, eval" in capsys.readouterr().err
+
+
+def test_a_config_with_an_sft_section_fine_tunes_in_place_of_training(tmp_path: Path) -> None:
+    """One record each; the config picks the pipeline. Eval and register read the model from
+    whichever stage wrote it, and the stage of the other pipeline is refused before any work."""
+    pretrains = debug_config(tmp_path)
+    fine_tunes = debug_config(tmp_path, "sft.lora=null", "data.sources=[{kind: chitchat}]")
+    assert [stage.name for stage in pipeline_stages(pretrains)] == ["data", "train", "eval", "register"]
+    assert [stage.name for stage in pipeline_stages(fine_tunes)] == ["data", "sft", "eval", "register"]
+    assert producer("train", fine_tunes) is stage_named("sft")
+    assert producer("train", pretrains) is stage_named("train")
+    with pytest.raises(ValueError, match=r"fine-tunes .* run `forgeline stage sft` instead of train"):
+        check_in_pipeline(stage_named("train"), fine_tunes)
+    with pytest.raises(ValueError, match=r"no `sft` section.* run `forgeline stage train` instead of sft"):
+        check_in_pipeline(stage_named("sft"), pretrains)
+    assert "sft" in stage_named("sft").sections
+    assert stage_named("sft").code_hash() == stage_named("train").code_hash()  # one trainer
+
+
+def test_a_fine_tuning_configs_dvc_yaml_has_sft_in_place_of_train(capsys: pytest.CaptureFixture) -> None:
+    assert main(["stages", "--dvc", "configs/smollm2-sft.yaml"]) == 0
+    stages = yaml.safe_load(capsys.readouterr().out)["stages"]
+    assert list(stages) == ["base", "sources", "data", "sft", "eval", "register"]
+    assert stages["base"]["cmd"] == "forgeline stage sft --config configs/smollm2-sft.yaml --base-only"
+    assert "sft" in stages["sft"]["params"][0]["configs/smollm2-sft.yaml"]
+    assert "${train.out_dir}" in stages["eval"]["deps"]

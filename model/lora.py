@@ -1,0 +1,214 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021) on a Transformer, applied from outside the model
+like the parallelisms (model/parallel/parallelize.py):
+
+    build on meta -> apply_lora -> pipeline split -> TP -> AC -> compile -> FSDP
+    -> to_empty() -> init_weights / init_buffers -> init_lora -> load the base
+
+Each target linear becomes a `LoraLinear`: its weight W (out x in) frozen, plus A (r x in,
+kaiming-uniform as `peft` draws it) and B (out x r, zeros), computing x W^T + (alpha / r) (x A^T) B^T.
+B = 0 makes the adapted model the base at the start. Every other parameter is frozen, so the
+optimizer (which takes the parameters that require grad) holds moments for the adapters only.
+The adapters keep the base weight's module path -- `layers.0.attention.wq.weight` stays,
+`layers.0.attention.wq.lora_a` and `.lora_b` join it -- so checkpoints, initialization by name
+and the pipeline split treat them like any other parameter, and loading the base leaves them
+alone.
+
+Under tensor parallelism the adapters are split with their weight (`AdapterColwiseParallel`,
+`AdapterRowwiseParallel`): a column-parallel linear's B by output row (A whole on every rank),
+a row-parallel one's A by input column (B whole); each rank then adds its slice of the update
+to its slice of the output (column), or its partial sum (row), with no collective of its own.
+
+Export (`merge_lora`, `export_peft_adapter`): W + (alpha / r) B A into a plain model, which
+model/hf.py exports as a `LlamaForCausalLM`; or the adapters alone as the directory `peft`
+writes, whose `PeftModel.from_pretrained` on the base's export computes the merged model.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from forgeline.configs.schema import LoraConfig
+from forgeline.model.fileio import new_directory
+from forgeline.model.hf import hf_name, rows_to_hf
+from forgeline.model.init import canonical_name, init_param_
+from forgeline.model.llama import Transformer
+
+if TYPE_CHECKING:  # peft is imported where it is used: the ranks never need it
+    from peft import LoraConfig as PeftLoraConfig
+
+# Hugging Face name of a target (LoraConfig.targets, peft's target_modules) -> our linear in a block.
+TARGETS = {
+    "q_proj": "attention.wq",
+    "k_proj": "attention.wk",
+    "v_proj": "attention.wv",
+    "o_proj": "attention.wo",
+    "gate_proj": "feed_forward.w1",
+    "up_proj": "feed_forward.w3",
+    "down_proj": "feed_forward.w2",
+}
+ADAPTER_NAMES = ("lora_a", "lora_b")
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+
+
+class LoraLinear(nn.Linear):
+    """A bias-free linear layer plus a low-rank update: x W^T + scale * (x A^T) B^T."""
+
+    def __init__(self, linear: nn.Linear, rank: int, scale: float):
+        if linear.bias is not None:
+            raise ValueError("LoRA targets forgeline's bias-free linear layers only")
+        super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
+        self.weight = linear.weight  # the base's parameter itself: on meta, or with its values
+        self.scale = scale
+        like = {"device": linear.weight.device, "dtype": linear.weight.dtype}
+        self.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, **like))  # (r, in)
+        self.lora_b = nn.Parameter(torch.empty(linear.out_features, rank, **like))  # (out, r)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The order peft computes in (x -> A -> B, then the scale): the same rounding.
+        return F.linear(x, self.weight) + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.lora_a.shape[0]}, scale={self.scale}"
+
+
+def apply_lora(model: Transformer, lora: LoraConfig) -> None:
+    """Give the target linears of every block of `model` (or of a pipeline stage; on the meta
+    device or materialized) adapters, and freeze every other parameter. Adapters made on a real device
+    hold garbage until `init_lora`."""
+    for block in model.layers.values():
+        for target in lora.targets:
+            parent_path, _, attr = TARGETS[target].rpartition(".")
+            parent = block.get_submodule(parent_path)
+            setattr(parent, attr, LoraLinear(getattr(parent, attr), lora.rank, lora.alpha / lora.rank))
+    freeze_base(model)
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Only the adapters train. Again after anything that replaces parameters with new ones
+    that require grad (tensor parallelism's SequenceParallel does, for the norms)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return any(isinstance(module, LoraLinear) for module in model.modules())
+
+
+def is_adapter(name: str) -> bool:
+    """Whether the parameter `name` is an adapter (not one of the base's weights)."""
+    return name.rpartition(".")[2] in ADAPTER_NAMES
+
+
+@torch.no_grad()
+def init_lora(model: nn.Module, seed: int) -> None:
+    """Initialize the adapters in place (after `to_empty()`, sharded or not) as `peft` does:
+    A kaiming-uniform (a = sqrt(5): uniform within +-1/sqrt(in)), B zeros. Like every
+    parameter (model/init.py), A's values depend on the seed and its name only."""
+    for name, param in model.named_parameters():
+        if name.endswith(".lora_a"):
+            init_param_(param, _kaiming_uniform, seed, name)
+        elif name.endswith(".lora_b"):
+            param.zero_()
+
+
+def _kaiming_uniform(t: torch.Tensor, generator: torch.Generator) -> None:
+    nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=generator)
+
+
+class AdapterColwiseParallel(ColwiseParallel):
+    """ColwiseParallel that also lays out a LoraLinear's adapters: B split by output row like
+    the weight, A whole on every rank. (ColwiseParallel itself would split A along r.)"""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        _distribute(module, device_mesh, self.src_data_rank,
+                    {"weight": Shard(0), "lora_a": Replicate(), "lora_b": Shard(0)})
+
+
+class AdapterRowwiseParallel(RowwiseParallel):
+    """RowwiseParallel that also lays out a LoraLinear's adapters: A split by input column like
+    the weight, B whole on every rank. (RowwiseParallel itself would leave them plain tensors.)"""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        _distribute(module, device_mesh, self.src_data_rank,
+                    {"weight": Shard(1), "lora_a": Shard(1), "lora_b": Replicate()})
+
+
+def _distribute(module: nn.Module, mesh: DeviceMesh, src_data_rank: int | None,
+                placements: dict[str, Placement]) -> None:
+    """Each of these parameters of `module` (those it has: a plain nn.Linear has no adapters)
+    as a DTensor with its placement, requires_grad kept."""
+    for name, placement in placements.items():
+        param = getattr(module, name, None)
+        if param is None:
+            continue
+        dist_param = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its weight (W += scale * B A) and put plain nn.Linear layers back:
+    the model computes the same, and its state dict is the base's names only. In place; a full
+    (unsharded) model."""
+    for module in list(model.modules()):
+        for attr, child in list(module.named_children()):
+            if isinstance(child, LoraLinear):
+                child.weight.add_(child.lora_b @ child.lora_a, alpha=child.scale)
+                plain = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+                plain.weight = child.weight
+                setattr(module, attr, plain)
+    return model
+
+
+def peft_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """A full model's adapters under the names `peft` saves them for a LlamaForCausalLM
+    (base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight), B's rows in the Hugging
+    Face order of its weight's rows (model/hf.py): the export's W + scale B A is then the
+    permutation of ours."""
+    out = {}
+    for name, param in model.state_dict().items():
+        name = canonical_name(name)
+        if not is_adapter(name):
+            continue
+        weight_name = f"{name.rpartition('.')[0]}.weight"
+        module = hf_name(weight_name, model.shape).removesuffix(".weight")
+        if name.endswith(".lora_a"):
+            out[f"base_model.model.{module}.lora_A.weight"] = param
+        else:
+            out[f"base_model.model.{module}.lora_B.weight"] = rows_to_hf(weight_name, param, model.shape)
+    return out
+
+
+def peft_config(lora: LoraConfig, base_model: str | None) -> PeftLoraConfig:
+    """`peft`'s own LoraConfig of these adapters: it writes adapter_config.json."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets),
+                          lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", inference_mode=True,
+                          base_model_name_or_path=base_model)
+
+
+def export_peft_adapter(model: Transformer, lora: LoraConfig, out_dir: Path,
+                        base_model: str | None = None) -> Path:
+    """Write `out_dir` as `peft`'s save_pretrained does for a LlamaForCausalLM: adapter_config.json
+    and adapter_model.safetensors, for `PeftModel.from_pretrained(base, out_dir)` on the base's
+    Hugging Face export (`base_model`: where that base is, recorded for AutoPeftModel). Written to
+    a temporary sibling and renamed into place; an existing non-empty `out_dir` is never touched."""
+    weights = {k: v.detach().float().cpu().contiguous() for k, v in peft_state_dict(model).items()}
+    if not weights:
+        raise ValueError("the model has no LoRA adapters to export (apply_lora)")
+    with new_directory(out_dir) as tmp:
+        save_file(weights, tmp / PEFT_WEIGHTS, metadata={"format": "pt"})
+        peft_config(lora, base_model).save_pretrained(tmp)
+    return Path(out_dir)

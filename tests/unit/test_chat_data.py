@@ -1,0 +1,193 @@
+"""The data stage with `sft` set, end to end on small conversation sources (JSONL messages and
+instructions, parquet messages: real chats of the shipped dataset) through SmolLM2's tokenizer:
+conversations cleaned and deduplicated, packed whole several to a row with their starts, shards
+that carry loss masks equal to chat.py's; the loader's loss mask aligned with the tokens; the
+config rules that keep conversations and documents apart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from pydantic import ValidationError
+from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerFast
+
+from forgeline.configs.schema import CleaningConfig, ConfigError, SourceConfig
+from forgeline.model.training.loader import DocumentBatch, ShardedSampleLoader
+from forgeline.model.training.shards import (
+    MASK_FIELD,
+    SAMPLE_FIELD,
+    STARTS_FIELD,
+    iter_shard,
+    read_manifest,
+    split_shards,
+)
+from forgeline.tasks.data.build import build_dataset
+from forgeline.tasks.data.chat import ChatTemplateError, conversation_of, load_chat_tokenizer, render
+from forgeline.tasks.data.clean import clean_conversation
+from forgeline.tasks.data.sources import SourceError, read_source
+from tests.conftest import debug_config
+from tests.smollm2_tokenizer import MISSING, SKIP_REASON, smollm2_tokenizer_dir
+
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=SKIP_REASON)
+SEQ_LEN = 128
+
+
+def shipped_chats(count: int) -> list[list[dict[str, str]]]:
+    chats = (json.loads(doc.data) for doc in read_source(SourceConfig(kind="chitchat"), 10**6))
+    return [chat for chat, _ in zip((c for c in chats if len(c) > 1), range(count), strict=False)]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """A built SFT dataset and, per source, the conversations written to it."""
+    root = tmp_path_factory.mktemp("sft")
+    chats = shipped_chats(90)
+    unusable = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}],  # empty turn
+                [{"role": "user", "content": "Anyone there?"}],  # no assistant turn
+                [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Hi"}]]  # opens
+    messages = chats[:60] + chats[:3] + unusable  # three exact duplicates
+    instructions = [{"instruction": chat[0]["content"], "output": chat[1]["content"],
+                     **({"input": "Answer in one line."} if n % 2 else {})}
+                    for n, chat in enumerate(chats[60:80])]
+    write_jsonl(root / "chats.jsonl", [{"messages": m} for m in messages])
+    write_jsonl(root / "instructions.jsonl", instructions)
+    pq.write_table(pa.table({"messages": chats[80:90]}), root / "chats.parquet")
+    sources = [{"kind": "files", "path": str(root / name), "format": form, "name": label}
+               for name, form, label in (("chats.jsonl", "messages", "chats"),
+                                         ("instructions.jsonl", "instruction", "instructions"),
+                                         ("chats.parquet", "messages", "parquet"))]
+    cfg = debug_config(root, f"data.sources={json.dumps(sources)}", "sft.lora=null",
+                       f"data.tokenizer_path={smollm2_tokenizer_dir()}", f"data.seq_len={SEQ_LEN}",
+                       "data.val_fraction=0.15", "data.samples_per_shard=32")
+    build_dataset(cfg)
+    written = {"chats": messages, "instructions": [[{"role": "user", "content": r["instruction"] + (
+        f"\n\n{r['input']}" if "input" in r else "")}, {"role": "assistant", "content": r["output"]}]
+        for r in instructions], "parquet": chats[80:90]}
+    return Path(cfg.data.out_dir), written
+
+
+def expected_conversations(written: dict) -> dict[tuple[int, ...], np.ndarray]:
+    """chat.py's (ids, mask) of every conversation the stage keeps, by its ids cut to a row."""
+    tokenizer, cleaning, out = load_chat_tokenizer(str(smollm2_tokenizer_dir())), CleaningConfig(), {}
+    for conversations in written.values():
+        for messages in conversations:
+            cleaned = clean_conversation(json.dumps(messages).encode(), cleaning, with_signature=False)
+            if cleaned.removed_by is None:
+                chat = render(tokenizer, conversation_of(cleaned.text), SEQ_LEN + 1)
+                out[tuple(chat.ids.tolist())] = chat.mask
+    return out
+
+
+def samples(data_dir: Path, manifest: dict) -> list[dict[str, np.ndarray]]:
+    return [sample for split in ("train", "val") for shard in split_shards(data_dir, manifest, split)
+            for sample in iter_shard(shard)]
+
+
+def test_shards_pack_whole_conversations_with_the_masks_chat_renders(sft_data) -> None:
+    data_dir, written = sft_data
+    manifest = read_manifest(data_dir)
+    assert manifest["loss_masks"] is True and len(manifest["chat_template_sha256"]) == 64
+    expected, found, packed = expected_conversations(written), [], 0
+    for sample in samples(data_dir, manifest):
+        tokens, starts, mask = sample[SAMPLE_FIELD], sample[STARTS_FIELD], sample[MASK_FIELD]
+        assert tokens.shape == mask.shape == (SEQ_LEN + 1,) and mask.dtype == np.uint8
+        ends = [*starts[1:], len(tokens)]
+        packed += len(starts) > 1
+        for begin, end in zip(starts, ends, strict=True):
+            ids = tokens[begin:end]
+            if end == len(tokens):  # the row's last conversation: the padding after it is EOS, id 0
+                ids = ids[:len(np.trim_zeros(ids, "b"))]
+            assert tuple(ids.tolist()) in expected, "a row holds a conversation chat.py does not render so"
+            want = expected[tuple(ids.tolist())].copy()
+            want[0] = 0  # a conversation's first token: nothing of its own predicts it
+            assert mask[begin:begin + len(ids)].tolist() == want.tolist()
+            assert not mask[begin + len(ids):end].any()  # padding
+            found.append(tuple(ids.tolist()))
+    assert sorted(found) == sorted(expected)  # every kept conversation once, none cut across rows
+    assert manifest["documents"] == len(expected) and packed > 0
+    assert any(len(ids) == SEQ_LEN + 1 for ids in expected)  # some were cut to a row
+    loss_tokens = sum(int(sample[MASK_FIELD].sum()) for sample in samples(data_dir, manifest))
+    assert loss_tokens == sum(manifest["splits"][split]["loss_tokens"] for split in ("train", "val"))
+
+
+def test_conversations_are_cleaned_and_deduplicated_per_source(sft_data) -> None:
+    data_dir, _ = sft_data
+    sources = read_manifest(data_dir)["sources"]
+    assert sources["chats"]["removed"] == {"exact_duplicate": 3, "empty_turn": 1, "no_assistant_turn": 1,
+                                           "assistant_first": 1}
+    assert sources["chats"]["kept"] == 60 and sources["instructions"]["kept"] == 20
+    assert sources["parquet"]["kept"] == 10
+    held_out = [json.loads(line) for line in (data_dir / "val_docs.jsonl").read_text().splitlines()]
+    assert held_out
+    assert all(doc["text"].startswith("<|im_start|>system") and doc["messages"] for doc in held_out)
+
+
+def test_the_loader_returns_the_loss_mask_aligned_with_the_tokens(sft_data) -> None:
+    data_dir, _ = sft_data
+    manifest = read_manifest(data_dir)
+    shards = split_shards(data_dir, manifest, "train")
+    by_tokens = {tuple(s[SAMPLE_FIELD].tolist()): s for shard in shards for s in iter_shard(shard)}
+    for document_starts in (True, False):
+        batch = ShardedSampleLoader(shards, 8, 0, 1, seed=0, document_starts=document_starts).next_batch()
+        assert isinstance(batch, DocumentBatch)
+        assert batch.loss_mask.dtype == torch.bool and batch.loss_mask.shape == batch.tokens.shape
+        for tokens, documents, loss_mask in zip(batch.tokens, batch.documents, batch.loss_mask, strict=True):
+            sample = by_tokens[tuple(tokens.tolist())]
+            assert loss_mask.tolist() == sample[MASK_FIELD].astype(bool).tolist()
+            begins = np.flatnonzero(np.diff(documents.numpy(), prepend=documents[0].item() - 1))
+            assert begins.tolist() == (sample[STARTS_FIELD].tolist() if document_starts else [0])
+
+
+def test_a_tokenizer_without_a_chat_template_fails_before_anything_is_written(tmp_path: Path) -> None:
+    bare = tmp_path / "bare-tokenizer"
+    tokenizer = Tokenizer.from_file(str(smollm2_tokenizer_dir() / "tokenizer.json"))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(bare)
+    chats = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in shipped_chats(3)])
+    source = {"kind": "files", "path": str(chats), "format": "messages"}
+    cfg = debug_config(tmp_path, f"data.sources={json.dumps([source])}", "sft.lora=null",
+                       f"data.tokenizer_path={bare}")
+    with pytest.raises(ChatTemplateError, match="has no chat template; set data.chat_template"):
+        build_dataset(cfg)
+    assert not Path(cfg.data.out_dir).exists() and not Path(cfg.data.raw_dir).exists()
+
+
+def test_sft_trains_on_conversations_only(tmp_path: Path) -> None:
+    chats = {"kind": "files", "path": str(tmp_path / "c.jsonl"), "format": "messages"}
+    with pytest.raises(ConfigError, match=r"sft is set, but data.sources \['shakespeare'\] hold text"):
+        debug_config(tmp_path, "sft.lora=null")
+    with pytest.raises(ConfigError, match="hold conversations, which only supervised fine-tuning"):
+        debug_config(tmp_path, f"data.sources={json.dumps([chats])}")
+    with pytest.raises(ValidationError, match="kind 'chitchat' takes no `format`"):
+        SourceConfig(kind="chitchat", format="text")
+    # A text source's dump -- hashed into its snapshot and the data manifest -- is what it was before
+    # conversation sources existed: their keys are left out at their defaults.
+    assert "format" not in SourceConfig(kind="files", path="x.txt").model_dump()
+    assert SourceConfig(**chats).model_dump()["format"] == "messages"
+
+
+def test_a_record_not_of_its_format_names_its_line(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "Hi"}]},
+                                               {"messages": [{"from": "human", "value": "Hi"}]}])
+    with pytest.raises(SourceError, match=r"bad.jsonl:2: not a JSON object with a 'messages' list of"):
+        list(read_source(SourceConfig(kind="files", path=str(path), format="messages"), 10**6))
+
+
+def test_the_shipped_chats_are_conversations_of_two_alternating_speakers() -> None:
+    chats = [json.loads(doc.data) for doc in read_source(SourceConfig(kind="chitchat"), 10**6)]
+    assert len(chats) == 7168
+    assert all(message["role"] == ("user", "assistant")[n % 2]
+               for chat in chats for n, message in enumerate(chat))
+    assert sum(len(chat) > 1 for chat in chats) == 4018  # the others hold one speaker's messages only
+    assert "(MIT)" in SourceConfig(kind="chitchat").provenance

