@@ -6,7 +6,7 @@
 The subject is `train.precision=bf16`, the baseline the same run in fp32: same model, init,
 data, batches and hyperparameters, forgeline's trainer as in production (the train stage's
 torchrun launch, its loader, metrics to MLflow, validation and a checkpoint at the end). Two
-layouts, the two ways bf16 is applied (README, Parallelism):
+layouts, the two ways bf16 is applied (docs/parallelism.md):
 
     single  one process: fp32 parameters, bf16 compute through torch.autocast
     dp2     dp_shard=2 (2 ranks): FSDP2's MixedPrecisionPolicy gathers the parameters in bf16,

@@ -1,7 +1,7 @@
 """The promotion gate: alias `champion` moves to a model version only when its evaluation beats
 the champion's by more than noise, item by item on the same items.
 
-The rules (README, "The promotion gate"), with d the candidate's score minus the champion's,
+The rules (docs/promotion.md), with d the candidate's score minus the champion's,
 paired on the candidate's items, and [lo, hi] its 95 % interval (eval/scores.py
 paired_comparison); a dimension is significantly worse when its hi < 0, better when its lo > 0:
   - rejected: a dimension significantly worse while none is significantly better, whatever

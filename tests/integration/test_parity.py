@@ -57,7 +57,7 @@ LAYOUTS = {
 # bit-identical in one process, 7.6e-8 on dp2). The first step compiles: 17-34 s a test on 2
 # cores with an empty inductor cache (12-16 s warm), hence slow. tp2 with compile is not here:
 # on torch 2.13 its backward fails (AttributeError: 'Tensor' object has no attribute
-# '_local_tensor'; the README says so).
+# '_local_tensor'; docs/parallelism.md says so).
 COMPILED = {
     "compile": ["parallel.compile=true"],
     "dp2-compile": ["parallel.dp_shard=2", "parallel.compile=true"],
