@@ -8,9 +8,11 @@ forgeline's code logs is masked in the run's logs."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -228,18 +230,46 @@ probe()
     assert secret not in json.dumps(everything)
 
 
+class Unavailable(http.server.BaseHTTPRequestHandler):
+    """A tracking server's address whose server behind it is down, as a proxy answers: 503 to
+    every request. It answers, so the CLI's start-up check lets the stage start (a server that
+    takes no connection is refused before any work, tests/integration/test_servers_down_at_start.py);
+    the stage's first MLflow call then fails."""
+
+    def do_GET(self) -> None:
+        self.send_error(503)
+
+    do_POST = do_GET
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def unavailable_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_failure_whose_error_names_a_url_with_a_token_is_masked_in_prefect_and_on_the_console(
-        api: str, tmp_path: Path) -> None:
-    """A stage that fails on a tracking server it cannot reach, given in $MLFLOW_TRACKING_URI
-    with a token: MLflow's error names the URL. The failed states Prefect keeps (their messages
-    are made from the exception, not from a log record) and the CLI's last line mask it."""
+        api: str, tmp_path: Path, unavailable_server: str) -> None:
+    """A stage that fails on a tracking server that answers 503 to everything, given in
+    $MLFLOW_TRACKING_URI with a token: MLflow's error names the URL. The failed states Prefect
+    keeps (their messages are made from the exception, not from a log record) and the CLI's last
+    line mask it."""
     secret = f"{SECRET}-failure"
     overrides = [o for o in output_overrides(tmp_path / "out") if not o.startswith("registry.tracking_uri=")]
     done = start([str(VENV_BIN / "forgeline"), "stage", "data", "--config", "debug.yaml",
                   *set_args(overrides)], tmp_path / "work", api,
-                 env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:9/?token={secret}"})
+                 env={"MLFLOW_TRACKING_URI": f"{unavailable_server}/?token={secret}"})
     assert done.returncode == 1, done.stderr[-4000:]
-    failed = "forgeline: forgeline-data failed: MlflowException: API request to http://127.0.0.1:9/?token=***"
+    failed = ("forgeline: forgeline-data failed: MlflowException: API request to "
+              f"{unavailable_server}/?token=***")
     assert failed in done.stderr, done.stderr[-4000:]
     assert secret not in done.stdout + done.stderr
 
