@@ -173,11 +173,12 @@ def test_stage_runs_its_partition_work_on_a_dask_scheduler(tmp_path: Path, raw_d
 @pytest.mark.slow
 def test_dask_workers_report_to_the_stages_temporary_prefect_api(tmp_path: Path, raw_dir: Path) -> None:
     """The default config (`executor: dask`, a local cluster) as `forgeline stage data` runs it: the
-    local cluster's workers print to the stage's own output, where their Prefect log lines show."""
+    local cluster's workers print to the stage's own output, where their Prefect log lines show
+    (with --verbose: by default the console shows forgeline's events only)."""
     workdir = tmp_path / "work"
     workdir.mkdir()
-    done = run(stage_data(tmp_path / "out", raw_dir, "data.num_workers=1", "data.partition_mb=100"), workdir,
-               timeout=600)
+    done = run([*stage_data(tmp_path / "out", raw_dir, "data.num_workers=1", "data.partition_mb=100"),
+                "--verbose"], workdir, timeout=600)
     output = done.stdout + done.stderr
     assert "Task run 'data-clean-0' - Finished in state Completed" in output  # the worker's lines are here
     assert output.count("Starting temporary server") == 1, output[-6000:]
