@@ -59,13 +59,10 @@ def clean_document(data: bytes | None, cfg: CleaningConfig, with_signature: bool
         return Cleaned("too_long")
     if b"\x00" in data:
         return Cleaned("binary")
-    repaired = False
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        if cfg.invalid_utf8 == "drop":
-            return Cleaned("invalid_utf8")
-        text, repaired = data.decode("utf-8", errors="replace"), True
+    decoded = decode(data, cfg)
+    if decoded is None:
+        return Cleaned("invalid_utf8")
+    text, repaired = decoded
     if not text.strip():
         return Cleaned("empty")
     if len(text) > cfg.max_chars:
@@ -74,26 +71,13 @@ def clean_document(data: bytes | None, cfg: CleaningConfig, with_signature: bool
     patterns = [re.compile(p) for p in cfg.boilerplate_patterns]
     kept = [line for line in lines if not any(p.search(line) for p in patterns)]
     text = "\n".join(kept).strip()
-    pii = 0
-    if cfg.scrub_pii:
-        for placeholder, pattern in PII_PATTERNS:
-            text, count = pattern.subn(placeholder, text)
-            pii += count
+    text, pii = replace_pii(text) if cfg.scrub_pii else (text, 0)
     if len(text) < cfg.min_chars:
         return Cleaned("too_short")
     if repeated_line_fraction(kept) > cfg.max_repeated_line_fraction:
         return Cleaned("repetitive")
-    words = WORD.findall(text.lower())
-    return Cleaned(
-        removed_by=None,
-        text=text,
-        sha256=hashlib.sha256(text.encode()).hexdigest(),
-        dedup_key=hashlib.sha256(" ".join(words).encode()).hexdigest(),
-        signature=minhash_signature(words, cfg) if with_signature else None,
-        repaired=repaired,
-        boilerplate_lines=len(lines) - len(kept),
-        pii_replaced=pii,
-    )
+    return kept_text(text, WORD.findall(text.lower()), cfg, with_signature, repaired=repaired,
+                     boilerplate_lines=len(lines) - len(kept), pii_replaced=pii)
 
 
 def clean_conversation(data: bytes | None, cfg: CleaningConfig, with_signature: bool) -> Cleaned:
@@ -101,13 +85,10 @@ def clean_conversation(data: bytes | None, cfg: CleaningConfig, with_signature: 
     is the cleaned conversation's."""
     if data is None:
         return Cleaned("too_long")
-    repaired = False
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        if cfg.invalid_utf8 == "drop":
-            return Cleaned("invalid_utf8")
-        text, repaired = data.decode("utf-8", errors="replace"), True
+    decoded = decode(data, cfg)
+    if decoded is None:
+        return Cleaned("invalid_utf8")
+    text, repaired = decoded
     messages = [{"role": m["role"], "content": m["content"].strip()} for m in json.loads(text)]
     if not any(m["content"] for m in messages):
         return Cleaned("empty")
@@ -120,21 +101,44 @@ def clean_conversation(data: bytes | None, cfg: CleaningConfig, with_signature: 
     pii = 0
     if cfg.scrub_pii:
         for message in messages:
-            for placeholder, pattern in PII_PATTERNS:
-                message["content"], count = pattern.subn(placeholder, message["content"])
-                pii += count
+            message["content"], count = replace_pii(message["content"])
+            pii += count
     if sum(len(m["content"]) for m in messages) > cfg.max_chars:
         return Cleaned("too_long")
     text = conversation_text(messages)
     words = WORD.findall("\n".join(f"{m['role']}\n{m['content']}" for m in messages).lower())
+    return kept_text(text, words, cfg, with_signature, repaired=repaired, pii_replaced=pii)
+
+
+def decode(data: bytes, cfg: CleaningConfig) -> tuple[str, bool] | None:
+    """The text and whether invalid UTF-8 was replaced by U+FFFD; None if it is to be dropped."""
+    try:
+        return data.decode("utf-8"), False
+    except UnicodeDecodeError:
+        if cfg.invalid_utf8 == "drop":
+            return None
+        return data.decode("utf-8", errors="replace"), True
+
+
+def replace_pii(text: str) -> tuple[str, int]:
+    """`text` with each PII match replaced by its placeholder, and how many were."""
+    replaced = 0
+    for placeholder, pattern in PII_PATTERNS:
+        text, count = pattern.subn(placeholder, text)
+        replaced += count
+    return text, replaced
+
+
+def kept_text(text: str, words: list[str], cfg: CleaningConfig, with_signature: bool,
+              **counts: int | bool) -> Cleaned:
+    """A kept record: its text, content hash, exact-dedup key and MinHash signature of `words`."""
     return Cleaned(
         removed_by=None,
         text=text,
         sha256=hashlib.sha256(text.encode()).hexdigest(),
         dedup_key=hashlib.sha256(" ".join(words).encode()).hexdigest(),
         signature=minhash_signature(words, cfg) if with_signature else None,
-        repaired=repaired,
-        pii_replaced=pii,
+        **counts,
     )
 
 
