@@ -8,7 +8,7 @@ from pathlib import Path
 from lm_eval.tasks import TaskManager
 
 from forgeline.configs import Config, load_config
-from forgeline.eval.suite import render_suite
+from forgeline.eval.suite import render_suite, suite_task_manager
 from forgeline.model.hf import export_hf
 from forgeline.model.llama import Transformer
 from forgeline.model.training.shards import read_manifest
@@ -23,5 +23,5 @@ def random_model_on_suite(config: str, workdir: Path) -> tuple[Config, Transform
     model = Transformer(cfg.model.for_vocabulary(read_manifest(workdir / "data")["vocab_size"]))
     model.init_weights(0)
     hf_dir = export_hf(model, workdir / "data" / "tokenizer", workdir / "hf")
-    task_manager = TaskManager(include_path=str(render_suite(workdir / "tasks", workdir / "data")))
+    task_manager = suite_task_manager(render_suite(workdir / "tasks", workdir / "data"))
     return cfg, model, hf_dir, task_manager

@@ -37,13 +37,11 @@ def evaluate_checkpoint(checkpoint: Path, data_dir: Path, tasks: list[str], limi
                         batch_size: int) -> dict[str, float]:
     """`score_tasks` on `checkpoint`."""
     # Imported here, after main() applied the environment defaults lm-eval and datasets read.
-    from lm_eval.tasks import TaskManager
-
     from forgeline.eval.lm import ForgelineLM
-    from forgeline.eval.suite import render_suite
+    from forgeline.eval.suite import render_suite, suite_task_manager
 
     with tempfile.TemporaryDirectory(prefix="forgeline-periodic-") as scratch:
-        task_manager = TaskManager(include_path=str(render_suite(Path(scratch), data_dir)))
+        task_manager = suite_task_manager(render_suite(Path(scratch), data_dir))
         lm = ForgelineLM(checkpoint=str(checkpoint), tokenizer=str(data_dir / "tokenizer"),
                          batch_size=batch_size)
         return score_tasks(lm, tasks, limit, task_manager)

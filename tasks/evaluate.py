@@ -30,6 +30,8 @@ dimension scores), `tasks/` (the rendered task YAMLs that ran).
 
 from __future__ import annotations
 
+import copy
+import functools
 import gc
 import hashlib
 import json
@@ -61,7 +63,7 @@ from forgeline.eval.scores import (
     paired_comparison,
     stderr_metrics,
 )
-from forgeline.eval.suite import render_suite, suite_fingerprint
+from forgeline.eval.suite import render_suite, suite_fingerprint, suite_task_manager
 from forgeline.model.checkpoint.manager import CheckpointError, verify_checkpoint
 from forgeline.model.fileio import sha256_file
 from forgeline.model.inference import checkpoint_shape
@@ -323,7 +325,7 @@ def evaluate_model(cfg: Config) -> EvalResult:
         raise CheckpointError(f"trained checkpoint {checkpoint} is not usable: {'; '.join(problems)}")
     data_dir, out_dir = Path(cfg.data.out_dir), Path(cfg.eval.out_dir)
     suite_dir = render_suite(out_dir / "tasks", data_dir)
-    task_manager = TaskManager(include_path=str(suite_dir))
+    task_manager = suite_task_manager(suite_dir)
     scoring = Scoring.of_run(checkpoint, data_dir)
     model_args = {"checkpoint": str(checkpoint)} | scoring.model_args()
     scored = score_model(model_args, cfg.eval.batch_size, plan, task_manager)
@@ -400,46 +402,52 @@ def as_assistant(lm: lm_eval.api.model.LM, dimension: str) -> bool:
 def score_lm(lm: lm_eval.api.model.LM, plan: Plan, task_manager: TaskManager) -> ModelScores:
     """Every planned task on `lm`, each item's value logged."""
     scored = ModelScores(raw={}, items={})
-    for done, (name, (scores, dcfg)) in enumerate(plan.items()):
-        chat = as_assistant(lm, name)
-        log.info("evaluating %s: %s (limit %s, %d-shot%s)", name, ", ".join(s.task for s in scores),
-                 dcfg.limit, dcfg.num_fewshot, ", through the chat template" if chat else "",
-                 extra={"progress": (done, len(plan), name)})
-        with quiet_git_probe():
+    with provenance_probed_once():
+        for done, (name, (scores, dcfg)) in enumerate(plan.items()):
+            chat = as_assistant(lm, name)
+            log.info("evaluating %s: %s (limit %s, %d-shot%s)", name, ", ".join(s.task for s in scores),
+                     dcfg.limit, dcfg.num_fewshot, ", through the chat template" if chat else "",
+                     extra={"progress": (done, len(plan), name)})
             results = lm_eval.simple_evaluate(
                 model=lm, tasks=[s.task for s in scores], num_fewshot=dcfg.num_fewshot, limit=dcfg.limit,
                 task_manager=task_manager, log_samples=True, bootstrap_iters=0, apply_chat_template=chat,
                 random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
             )
-        samples = results.pop("samples")
-        scored.items |= {s.task: TaskItems.from_samples(samples[s.task], s) for s in scores}
-        scored.lm_eval_results[name] = results
-        scored.raw |= flatten_scores(results["results"])
+            samples = results.pop("samples")
+            scored.items |= {s.task: TaskItems.from_samples(samples[s.task], s) for s in scores}
+            scored.lm_eval_results[name] = results
+            scored.raw |= flatten_scores(results["results"])
     return scored
 
 
+def git_commit_quietly() -> str | None:
+    """lm-eval's record of the working directory's git commit, without its stderr: lm-eval runs
+    `git describe` there with its stderr on the console, so outside a repository it prints
+    "fatal: not a git repository" once per call."""
+    try:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=30)
+        if done.returncode == 0:
+            return done.stdout.strip()
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        pass
+    return get_commit_from_path(os.getcwd())  # lm-eval's own fallback
+
+
 @contextmanager
-def quiet_git_probe() -> Iterator[None]:
-    """lm-eval records the working directory's git commit in its results by running `git
-    describe` there with its stderr on the console: outside a repository, "fatal: not a git
-    repository" once per call. Within the block it runs so with that stderr discarded; the value
-    it records is the same."""
-    probe = lm_eval.evaluator.get_git_commit_hash
-
-    def quiet() -> str | None:
-        try:
-            done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=30)
-            if done.returncode == 0:
-                return done.stdout.strip()
-        except (FileNotFoundError, subprocess.TimeoutExpired):
-            pass
-        return get_commit_from_path(os.getcwd())  # lm-eval's own fallback
-
-    lm_eval.evaluator.get_git_commit_hash = quiet
+def provenance_probed_once() -> Iterator[None]:
+    """Within the block, lm-eval records the git commit and the environment in its results as it
+    does, but probes them once, not once a call (a call a dimension): the environment probe (torch's
+    collect_env, which runs `pip list` and more) costs ~0.3 s."""
+    probe, env_info = lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info
+    commit = functools.cache(git_commit_quietly)
+    environment: dict = {}
+    env_info(environment)
+    lm_eval.evaluator.get_git_commit_hash = commit
+    lm_eval.evaluator.add_env_info = lambda storage: storage.update(copy.deepcopy(environment))
     try:
         yield
     finally:
-        lm_eval.evaluator.get_git_commit_hash = probe
+        lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info = probe, env_info
 
 
 def scores_cache_file(model: dict[str, str], model_args: dict[str, str | int], suite: str, plan: Plan,

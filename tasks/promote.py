@@ -51,7 +51,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lm_eval.tasks import TaskManager
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion, RegisteredModel
 from mlflow.exceptions import MlflowException
@@ -59,7 +58,7 @@ from transformers import AutoConfig
 
 from forgeline.configs import Config
 from forgeline.eval.scores import Z80_POWER, Z95, detectable_difference, paired_comparison
-from forgeline.eval.suite import render_suite, suite_fingerprint
+from forgeline.eval.suite import render_suite, suite_fingerprint, suite_task_manager
 from forgeline.model.hf import model_shape_from_hf
 from forgeline.tasks.compare import ITEMS_ARTIFACT, logged_items
 from forgeline.tasks.evaluate import EvaluatedItems, cached_scores
@@ -257,7 +256,7 @@ def champion_on_items(cfg: Config, client: MlflowClient, champion: ModelVersion,
                  "version": str(champion.version), "run": champion.run_id}
         model_args = {"hf": str(export), "tokenizer": str(export)} | window_of(candidate, export, label)
         scored = cached_scores(model, label, model_args, cfg.eval.batch_size, candidate.eval_plan(),
-                               TaskManager(include_path=str(suite_dir)), candidate.suite)
+                               suite_task_manager(suite_dir), candidate.suite)
     return EvaluatedItems(candidate.suite, candidate.plan, scored.items, candidate.max_length)
 
 

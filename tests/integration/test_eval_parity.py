@@ -15,7 +15,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
 from forgeline.eval.lm import ForgelineLM
-from forgeline.eval.suite import render_suite
+from forgeline.eval.suite import render_suite, suite_task_manager
 from forgeline.model.hf import export_hf
 from forgeline.model.inference import load_from_checkpoint
 from forgeline.tasks.train.job import train_model
@@ -52,7 +52,7 @@ def evaluate(task_manager: TaskManager, model: object) -> dict:
 
 def test_forgeline_and_hf_backends_agree_item_by_item(exported: Path, data_root: Path,
                                                       tmp_path: Path) -> None:
-    task_manager = TaskManager(include_path=str(render_suite(tmp_path / "tasks", data_root / "data")))
+    task_manager = suite_task_manager(render_suite(tmp_path / "tasks", data_root / "data"))
     ours = evaluate(task_manager, ForgelineLM(hf=str(exported), tokenizer=str(exported), batch_size=4))
     reference = HFLM(pretrained=str(exported), dtype="float32", device="cpu", batch_size=4)
     theirs = evaluate(task_manager, reference)

@@ -19,7 +19,7 @@ from forgeline.eval.dimensions import DIMENSION_TASKS
 from forgeline.eval.lm import ForgelineLM
 from forgeline.eval.sandbox import isolation
 from forgeline.eval.scores import TaskItems, flatten_scores
-from forgeline.eval.suite import render_suite
+from forgeline.eval.suite import render_suite, suite_task_manager
 from tests.conftest import random_lm
 
 pytestmark = pytest.mark.integration
@@ -40,7 +40,7 @@ def suite(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def task_manager(suite: Path) -> TaskManager:
-    return TaskManager(include_path=str(suite))
+    return suite_task_manager(suite)
 
 
 @pytest.fixture(scope="module")

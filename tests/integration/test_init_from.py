@@ -242,8 +242,8 @@ def test_a_continued_run_is_evaluated_beside_its_base_and_its_version_serves(
 
     import lm_eval
     import pandas as pd
-    from lm_eval.tasks import TaskManager
 
+    from forgeline.eval.suite import suite_task_manager
     from forgeline.model.inference import generate_batch, load_from_checkpoint
     from forgeline.tasks import evaluate
 
@@ -270,7 +270,7 @@ def test_a_continued_run_is_evaluated_beside_its_base_and_its_version_serves(
     theirs = lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={base_dir},device=cpu,dtype=float32", tasks=["forgeline_heldout"],
         limit=cfg.eval.dimensions["language_modeling"].limit,
-        task_manager=TaskManager(include_path=str(root / "eval" / "tasks")), bootstrap_iters=0)
+        task_manager=suite_task_manager(root / "eval" / "tasks"), bootstrap_iters=0)
     their_bpb = theirs["results"]["forgeline_heldout"]["bits_per_byte,none"]
     assert metrics[f"base/{bpb}"] == pytest.approx(their_bpb, rel=1e-4)
     client = MlflowClient(resolve_tracking_uri(cfg))

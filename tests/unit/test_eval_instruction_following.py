@@ -24,7 +24,7 @@ from forgeline.eval.dimensions import task_score
 from forgeline.eval.lm import ForgelineLM
 from forgeline.eval.periodic import score_tasks
 from forgeline.eval.scores import TaskItems, paired_comparison
-from forgeline.eval.suite import ifeval_rows, render_suite
+from forgeline.eval.suite import ifeval_rows, render_suite, suite_task_manager
 from forgeline.model.inference import save_bundle
 from forgeline.tasks.evaluate import EvaluatedItems, ModelScores, as_assistant, plan_record, score_lm
 from tests.chat import random_model, save_chat_tokenizer, save_random_bundle
@@ -43,7 +43,7 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def task_manager(suite: Path) -> TaskManager:
-    return TaskManager(include_path=str(suite), include_defaults=False)  # the suite includes by path
+    return suite_task_manager(suite)
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from lm_eval.tasks import TaskManager
 
 from forgeline.configs.schema import DimensionConfig
 from forgeline.eval.dimensions import task_score
 from forgeline.eval.periodic import describe, score_tasks
 from forgeline.eval.scores import stderr_metrics
-from forgeline.eval.suite import render_suite
+from forgeline.eval.suite import render_suite, suite_task_manager
 from forgeline.tasks.evaluate import score_lm
 from tests.conftest import random_lm
 
@@ -23,7 +22,7 @@ LIMIT = 4
 def test_every_in_training_score_has_the_standard_error_the_eval_stage_gives_it(
         data_root: Path, tmp_path: Path) -> None:
     lm = random_lm(data_root / "data" / "tokenizer", tmp_path / "bundle", max_seq_len=512, batch_size=8)
-    task_manager = TaskManager(include_path=str(render_suite(tmp_path / "suite", data_root / "data")))
+    task_manager = suite_task_manager(render_suite(tmp_path / "suite", data_root / "data"))
     scores = score_tasks(lm, TASKS, LIMIT, task_manager)
 
     named = {name for name in scores if not name.startswith("stderr/")}
