@@ -88,8 +88,10 @@ def test_crows_pairs_runs_outside_the_registry(lm: ForgelineLM, task_manager: Ta
     assert 0.0 <= flat["forgeline_crows_pairs/pct_stereotype"] <= 1.0
 
 
-def test_every_task_reads_local_files_only(task_manager: TaskManager) -> None:
+def test_every_task_reads_local_files_only(suite: Path, task_manager: TaskManager) -> None:
     names = [s.task for scores in DIMENSION_TASKS.values() for s in scores] + ["forgeline_crows_pairs"]
+    # The suite's own tasks, nothing else: lm-eval's built-in ones (~4 s to index) are not read.
+    assert sorted(task_manager.all_tasks) == sorted(p.stem for p in suite.glob("*.yaml")) == sorted(names)
     for name, task in lm_eval.tasks.get_task_dict(names, task_manager).items():
         assert task.config.dataset_path in ("json", "arrow"), name
         for path in task.config.dataset_kwargs["data_files"].values():
