@@ -46,6 +46,9 @@ ENV_DEFAULTS = {
     # MLflow's records go through the process's handlers, as every other library's do (its
     # default: a console handler of its own, which the console's filter cannot reach).
     "MLFLOW_CONFIGURE_LOGGING": "false",
+    # MLflow writes each run's URL on a tracking server to stdout as the run ends, with the
+    # tracking URI's `user:password@` in clear; the stages log the store, masked, instead.
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
 
 

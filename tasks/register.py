@@ -22,6 +22,8 @@ import hashlib
 import json
 import logging
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version as package_version
 from pathlib import Path
@@ -37,6 +39,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.models.signature import ModelSignature
 from mlflow.types.schema import Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
+from mlflow.utils.logging_utils import MLFLOW_LOGGING_STREAM
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forgeline.configs import Config
@@ -248,14 +251,28 @@ def create_version(cfg: Config, client: MlflowClient, run: RunTracker, checkpoin
                     pip_requirements=[f"{package}=={package_version(package)}" for package in
                                       ("torch", "transformers", "tokenizers", "safetensors", "pandas")],
                 )
-            return mlflow.register_model(info.model_uri, name, tags={REGISTRATION_KEY_TAG: key,
-                                                                     REGISTRATION_TAG: INCOMPLETE})
+            with mlflow_prints_off():
+                return mlflow.register_model(info.model_uri, name, tags={REGISTRATION_KEY_TAG: key,
+                                                                         REGISTRATION_TAG: INCOMPLETE})
         except (MlflowException, requests.RequestException) as err:
             raise RegistrationError(
                 f"registering {name} in the model registry at {uri} failed before the version was complete "
                 f"({first_line(err)}): no version of these outputs is usable. Rerun the register stage once "
                 "the registry answers: it registers them once (completing the version this attempt "
                 "created, if it got that far)") from err
+
+
+@contextmanager
+def mlflow_prints_off() -> Iterator[None]:
+    """Without MLflow's "Successfully registered model ..." and "Created version ..." lines: it
+    prints them to stderr past every logging handler, so past the console's filter and the
+    stage's log file. The stage logs the version it registered itself."""
+    was_enabled = MLFLOW_LOGGING_STREAM.enabled
+    MLFLOW_LOGGING_STREAM.enabled = False
+    try:
+        yield
+    finally:
+        MLFLOW_LOGGING_STREAM.enabled = was_enabled
 
 
 def complete_registration(client: MlflowClient, uri: str, version: ModelVersion,
