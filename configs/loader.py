@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, get_origin
@@ -44,6 +45,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raw = read_raw(config_path)
         for override in overrides:
             apply_override(raw, override)
+        leave_the_shape_to_the_base(raw, config_path, overrides)
         try:
             return Config.model_validate(raw)
         except ValidationError as err:
@@ -56,13 +58,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def read_raw(config_path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The YAML mapping, with `inherit: OTHER.yaml` resolved: the named config (a path relative
     to this file, or a shipped name) is read first and this file's keys replace its keys,
-    section by section."""
-    try:
-        raw = yaml.safe_load(config_path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{config_path}: not valid YAML: {err}") from err
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{config_path}: top level must be a mapping of sections")
+    section by section; a key (or a section) set to null here removes the inherited one, which
+    then takes its default."""
+    raw = read_own(config_path)
     parent = raw.pop("inherit", None)
     if parent is None:
         return raw
@@ -72,11 +70,41 @@ def read_raw(config_path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     base = read_raw(sibling if sibling.is_file() else resolve_config_path(parent),
                     seen + (config_path.resolve(),))
     for section, values in raw.items():
-        if isinstance(values, dict) and isinstance(base.get(section), dict):
-            base[section] = base[section] | values
+        if values is None:
+            base.pop(section, None)
+        elif isinstance(values, dict) and isinstance(base.get(section, {}), dict):
+            removed = {key for key, value in values.items() if value is None}
+            merged = base.get(section, {}) | values
+            base[section] = {key: value for key, value in merged.items() if key not in removed}
         else:
             base[section] = values
     return base
+
+
+def read_own(config_path: Path) -> dict[str, Any]:
+    """The YAML mapping of this file alone, `inherit` unresolved."""
+    try:
+        raw = yaml.safe_load(config_path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{config_path}: not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{config_path}: top level must be a mapping of sections")
+    return raw
+
+
+def leave_the_shape_to_the_base(raw: dict[str, Any], config_path: Path, overrides: Sequence[str]) -> None:
+    """With `model.init_from` set, the model keys this file inherits (tiny.yaml's `dim`,
+    `n_layers`...) are dropped, so that the base's shape replaces them: only the keys the user
+    sets -- in this file or by an override -- ask the base for a shape, and a base of another
+    shape refuses those (`ModelConfig.with_base_shape`)."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or model.get("init_from") is None:
+        return
+    own = read_own(config_path).get("model") or {}
+    overridden = {override.partition("=")[0].strip().split(".")[1] for override in overrides
+                  if override.strip().startswith("model.")}
+    for key in set(model) - set(own) - overridden - {"init_from"}:
+        del model[key]
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:

@@ -108,6 +108,16 @@ def test_inherit_replaces_keys_section_by_section(tmp_path: Path) -> None:
     assert load_config("tiny-single.yaml").parallel.world_size == 1
 
 
+def test_a_null_in_the_child_removes_the_inherited_value(tmp_path: Path) -> None:
+    child = tmp_path / "child.yaml"
+    child.write_text("inherit: tiny.yaml\nparallel:\n  pp: null\n  pp_schedule: null\n"
+                     "  dp_shard: 2\nmodel:\n  init_from: null\nsft: null\n")
+    cfg = load_config(child)
+    assert (cfg.parallel.pp, cfg.parallel.pp_schedule) == (1, Config().parallel.pp_schedule)
+    assert cfg.parallel.pp_microbatches == load_config("tiny.yaml").parallel.pp_microbatches  # kept
+    assert "init_from" not in cfg.model.model_fields_set and cfg.model.dim == 256
+
+
 def test_inherit_loop_is_reported(tmp_path: Path) -> None:
     (tmp_path / "a.yaml").write_text("inherit: b.yaml\n")
     (tmp_path / "b.yaml").write_text("inherit: a.yaml\n")

@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from forgeline.configs import Config
+from forgeline.configs import Config, load_config
 from forgeline.configs.schema import ConfigError
 from forgeline.model.fileio import sha256_file
 from forgeline.tasks import pretrained
@@ -57,6 +57,22 @@ def test_the_shape_comes_from_the_base_and_a_conflict_names_the_field_and_both_v
                                           r"model.n_layers=3 .* has 2"):
         with_base(Config().with_values({"model.init_from": str(directory), "model.dim": 128,
                                         "model.n_layers": 3}), resolve_base(cfg))
+
+
+def test_a_config_inheriting_tiny_takes_the_base_shape_over_the_inherited_keys(tmp_path: Path) -> None:
+    directory = save_base(tmp_path / "base")
+
+    def mine(own_model_keys: str = "") -> Path:
+        path = tmp_path / "mine.yaml"
+        path.write_text(f"inherit: tiny.yaml\nmodel:\n  init_from: {directory}\n{own_model_keys}"
+                        f"registry:\n  tracking_uri: sqlite:///{tmp_path / 'mlflow.db'}\n")
+        return path
+
+    cfg = load_config(mine())
+    assert with_base(cfg, resolve_base(cfg)).model.dim == 64  # tiny.yaml has dim 256, the base 64
+    for asked in [load_config(mine("  n_layers: 3\n")), load_config(mine(), ["model.n_layers=3"])]:
+        with pytest.raises(ConfigError, match=r"^model.n_layers=3 but the base .* has 2\. .*remove"):
+            with_base(asked, resolve_base(cfg))
 
 
 def test_a_layout_the_base_does_not_fit_fails_naming_it(tmp_path: Path) -> None:
