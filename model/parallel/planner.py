@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from forgeline.configs.schema import ACTIVATION_CHECKPOINT_MODES, ActivationCheckpoint, Config, ModelConfig
 
@@ -316,7 +317,7 @@ def plan(shape: ModelConfig, cluster: Cluster, workload: Workload) -> Plan:
             if tp * pp > world:
                 break
             memory = memory_estimate(shape, cluster, workload, tp, pp, world / (tp * pp))
-            problem = _divisibility_problem(world, workload, tp, pp)
+            problem = _layout_problem(world, workload, tp, pp)
             if memory.fits and not problem:
                 return _make_plan(shape, cluster, workload, tp, pp, memory)
             if memory.fits:
@@ -379,7 +380,12 @@ def _micro_batch(workload: Workload, dp: int) -> int:
     return workload.global_batch_size // (dp * workload.num_microbatches)
 
 
-def _divisibility_problem(world: int, workload: Workload, tp: int, pp: int) -> str | None:
+def _layout_problem(world: int, workload: Workload, tp: int, pp: int) -> str | None:
+    """Why a layout that fits memory cannot run: its degrees or batch do not divide, or the
+    pipeline has fewer micro-batches than stages (1F1B, which the estimate assumes, refuses it)."""
+    if pp > workload.num_microbatches:
+        return (f"TP={tp} PP={pp} fits, but 1F1B needs num_microbatches >= pp: {workload.num_microbatches} "
+                f"< {pp}; raise num_microbatches")
     if world % (tp * pp):
         return (f"TP={tp} PP={pp} fits, but tp*pp={tp * pp} does not divide the world size {world}; "
                 f"change num_nodes")
@@ -438,15 +444,24 @@ def plan_run_config(cfg: Config, cluster: Cluster, workload: Workload,
     return plan(cfg.model.for_vocabulary(vocab_size), cluster, workload)
 
 
-def apply_plan(cfg: Config, result: Plan) -> Config:
-    """`cfg` with its parallel section set to the plan -- data parallel as FSDP2 shards --
-    validated like any config, so the launch can take it as is."""
-    if result.cluster.num_nodes > 1 and not cfg.parallel.rdzv_endpoint:
-        raise ValueError(f"the planned layout spans {result.cluster.num_nodes} nodes: pass "
-                         "--set parallel.rdzv_endpoint=HOST:PORT (reachable from every node)")
+def apply_plan(cfg: Config, result: Plan) -> tuple[dict[str, Any], str | None]:
+    """`cfg`'s keys with its parallel section and global batch set to the plan -- data parallel
+    as FSDP2 shards -- validated like any config, and what the user must still set before the
+    launch takes it (None: nothing). That is the rendezvous of a layout across nodes under
+    torchrun, which only the user knows: the keys keep `parallel.rdzv_endpoint` empty, and the
+    launch refuses them, naming it, until it is set."""
     raw = cfg.model_dump(mode="json")
     raw["parallel"] |= {"tp": result.tp, "pp": result.pp, "dp_shard": result.dp, "dp_replicate": 1,
                         "pp_microbatches": result.workload.num_microbatches,
                         "activation_checkpoint": result.workload.activation_checkpointing,
                         "nnodes": result.cluster.num_nodes}
-    return Config.model_validate(raw)
+    raw["train"]["global_batch_size"] = result.workload.global_batch_size
+    open_rendezvous = (result.cluster.num_nodes > 1 and raw["parallel"]["launcher"] == "torchrun"
+                       and not raw["parallel"]["rdzv_endpoint"])
+    if not open_rendezvous:
+        Config.model_validate(raw)
+        return raw, None
+    Config.model_validate(raw | {"parallel": raw["parallel"] | {"rdzv_endpoint": "host:0"}})  # all else
+    return raw, (f"the layout spans {result.cluster.num_nodes} nodes: set parallel.rdzv_endpoint to the "
+                 "HOST:PORT of a rendezvous reachable from every node (or run with parallel.launcher=slurm, "
+                 "whose job's first node is the rendezvous)")

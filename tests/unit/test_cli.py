@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from forgeline.configs import load_config
+from forgeline.configs import ConfigError, load_config
 from forgeline.flows.cli import main
 from forgeline.tasks.stage import STAGE_NAMES
 
@@ -79,12 +79,17 @@ def test_plan_writes_a_config_the_launch_takes(tmp_path: Path, capsys: pytest.Ca
     assert planned.model == load_config("tiny.yaml").model
 
 
-def test_plan_across_nodes_needs_a_rendezvous(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["plan", "--params", "10e9", "--nodes", "32", "--accelerators-per-node", "8",
-                 "--memory-gib", "40", "--global-batch", "512", "--microbatches", "16",
-                 "--write-config", str(tmp_path / "p.yaml")]) == 2
-    assert "pass --set parallel.rdzv_endpoint=HOST:PORT" in capsys.readouterr().err
-    assert not (tmp_path / "p.yaml").exists()
+def test_plan_across_nodes_leaves_the_rendezvous_to_the_user_and_says_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "p.yaml"
+    assert main(["plan", "--nodes", "4", "--accelerators-per-node", "8", "--memory-gib", "80",
+                 "--global-batch", "64", "--write-config", str(out)]) == 0
+    said = "the layout spans 4 nodes: set parallel.rdzv_endpoint to the HOST:PORT of a rendezvous"
+    assert said in capsys.readouterr().out and out.read_text().startswith(f"# {said}")
+    with pytest.raises(ConfigError, match="parallel: nnodes=4 needs rdzv_endpoint"):
+        load_config(out)
+    layout = load_config(out, ["parallel.rdzv_endpoint=node0:29400"]).parallel
+    assert (layout.nnodes, layout.world_size) == (4, 32)
 
 
 def closed_port_url() -> str:

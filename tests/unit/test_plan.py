@@ -177,6 +177,14 @@ def test_batch_not_divisible_names_the_numbers() -> None:
         plan(shape, cluster, dataclasses.replace(workload, global_batch_size=1000))
 
 
+def test_a_pipeline_deeper_than_its_micro_batches_is_not_chosen() -> None:
+    # 5 heads: TP=1 only. PP=1 and PP=2 leave a batch of 16 to more ranks than it has sequences.
+    shape = ModelConfig(dim=320, n_layers=4, n_heads=5, n_kv_heads=5, ffn_dim=688, vocab_size=4096)
+    workload = Workload(seq_len=128, global_batch_size=16, num_microbatches=2)
+    with pytest.raises(ValueError, match="TP=1 PP=4 fits, but 1F1B needs num_microbatches >= pp: 2 < 4"):
+        plan(shape, Cluster(8, 4, 80, 300, 25), workload)
+
+
 def test_no_tp_fits_says_what_to_change() -> None:
     shape, cluster, workload = row_inputs("100B")
     with pytest.raises(ValueError) as err:
