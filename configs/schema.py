@@ -938,8 +938,21 @@ class SlurmConfig(Section):
     """A preempted job (train.preemption_grace_s) requeues itself and resumes from the
     checkpoint it saved; off: it ends, and the stage's Prefect retry starts a new job."""
 
+    gpus_per_node: int | None = Field(None, ge=0)
+    """sbatch --gpus-per-node: the ranks train on their node's CUDA devices, one each. None: the
+    layout's ranks per node (parallel.nproc_per_node) when the machine that submits the job has
+    CUDA, else none -- set it where that machine is unlike the compute nodes (a login node without
+    GPUs); 0: a CPU job."""
+
+    cpus_per_rank: PositiveInt | None = None
+    """CPU cores per rank: sbatch and srun --cpus-per-task, this times the ranks per node (the job's
+    one task per node is the torchrun agent that starts them). None: the partition's default."""
+
+    mem_per_cpu: str = ""
+    """sbatch --mem-per-cpu, e.g. "4G"; empty: the partition's default."""
+
     sbatch_args: list[str] = Field(default_factory=list)
-    """More sbatch options, e.g. ["--gres=gpu:8", "--exclusive", "--qos=high"]."""
+    """More sbatch options, e.g. ["--exclusive", "--qos=high", "--constraint=a100"]."""
 
     poll_s: PositiveFloat = 2.0
     """How often the stage asks Slurm for the job's state and reads its output."""

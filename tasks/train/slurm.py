@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forgeline.configs import Config
+from forgeline.model.parallel.mesh import local_device_type
 from forgeline.tasks.train.launch import LaunchError, LaunchTimeout, relay_line
 
 # Job states after which the job runs no more (squeue's and scontrol's names) -- but for PREEMPTED
@@ -53,13 +54,15 @@ class JobState:
 def batch_script(cfg: Config, agent_args: Sequence[str], output: Path, preemption_record: Path) -> str:
     """The sbatch script; `agent_args`: torchrun's options after the rendezvous, and the program."""
     slurm, par = cfg.slurm, cfg.parallel
+    task = task_resources(cfg)
     directives = [f"--job-name=forgeline-train-{cfg.content_hash()[:8]}", f"--nodes={par.nnodes}",
-                  "--ntasks-per-node=1", f"--output={output}", "--open-mode=append",
+                  *task, f"--output={output}", "--open-mode=append",
                   # Slurm's warning before the time limit: the ranks save their step within it.
                   f"--signal=USR1@{cfg.train.preemption_grace_s}",
                   "--requeue" if slurm.requeue else "--no-requeue"]
     directives += [f"--{key}={value}" for key, value in
-                   (("partition", slurm.partition), ("account", slurm.account), ("time", slurm.time_limit))
+                   (("partition", slurm.partition), ("account", slurm.account), ("time", slurm.time_limit),
+                    ("gpus-per-node", gpus_per_node(cfg)), ("mem-per-cpu", slurm.mem_per_cpu))
                    if value]
     directives += slurm.sbatch_args
     torchrun = " ".join([*map(shlex.quote, [sys.executable, "-m", "torch.distributed.run"]),
@@ -84,11 +87,28 @@ def batch_script(cfg: Config, agent_args: Sequence[str], output: Path, preemptio
         f"rm -f {shlex.quote(str(preemption_record))}\n"
         'echo "forgeline: job $SLURM_JOB_ID (run ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST,'
         ' rendezvous at $FORGELINE_RDZV_HOST:$FORGELINE_RDZV_PORT"\n'
-        f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c {shlex.quote(torchrun)}\n"
+        # srun (Slurm >= 22.05) takes no --cpus-per-task from the job: it is passed again.
+        f"srun --kill-on-bad-exit=1 {' '.join(task)} bash -c {shlex.quote(torchrun)}\n"
         "status=$?\n"
         + requeue
         + "exit $status\n"
     )
+
+
+def task_resources(cfg: Config) -> list[str]:
+    """The job's one task per node -- the torchrun agent, which starts the node's ranks -- and its
+    CPUs: slurm.cpus_per_rank for each of those ranks."""
+    per_rank = cfg.slurm.cpus_per_rank
+    cpus = [f"--cpus-per-task={per_rank * cfg.parallel.nproc_per_node}"] if per_rank else []
+    return ["--ntasks-per-node=1", *cpus]
+
+
+def gpus_per_node(cfg: Config) -> int:
+    """slurm.gpus_per_node, else one GPU per rank when this machine has CUDA (the ranks' device
+    type, model/parallel/mesh.py), else none."""
+    if cfg.slurm.gpus_per_node is not None:
+        return cfg.slurm.gpus_per_node
+    return cfg.parallel.nproc_per_node if local_device_type() == "cuda" else 0
 
 
 def run_slurm_job(cfg: Config, agent_args: Sequence[str], env: Mapping[str, str], job_dir: Path,
