@@ -131,6 +131,8 @@ def decide(stage: Stage, cfg: Config) -> str | None:
     missing = [read.stage for read in stage.reads if not Path(_dep_path(read.stage, read.path, cfg)).exists()]
     if missing:
         return f"the output of {', '.join(dict.fromkeys(missing))} it reads is missing"
+    if stage.snapshot is not None and not Path(cfg.value(stage.snapshot.output)).exists():
+        return f"its inputs were never read here: no snapshot in {cfg.value(stage.snapshot.output)}"
     return why_not_cached(stage, cfg, stage_inputs(stage, cfg), Stamp.read(stamp_path(stage, cfg)))
 
 

@@ -2,12 +2,16 @@
 parses with the CLI's own parser (lm-eval's for `forgeline lm-eval`), every `make` target and
 variable is the Makefile's, every `section.key` they name in backticks or in `--set` exists in the
 config schema, every YAML config block loads, and every relative link finds its file and
-heading. Nothing is run."""
+heading. The commands of the verbs that finish in seconds and need no earlier run, server or
+cluster (RUN_HERE) are run, in a temporary directory, and must exit 0; the other verbs are listed
+with the reason they are not (NOT_RUN_HERE)."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
+import shutil
 import types
 import typing
 from pathlib import Path
@@ -18,7 +22,7 @@ import yaml
 from pydantic import BaseModel
 
 from forgeline.configs import Config, ConfigError, load_config
-from forgeline.flows.cli import build_parser
+from forgeline.flows.cli import build_parser, main
 from tests.conftest import REPO_ROOT
 
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md")),
@@ -222,6 +226,54 @@ def test_every_relative_link_finds_its_file_and_heading(doc: Path) -> None:
     assert link_problems(doc) == []
 
 
+# The verbs whose documented commands are run: seconds each on the shipped configs, in a directory
+# of their own, with no earlier run, server or cluster.
+RUN_HERE = {"plan", "config", "stages", "status", "sync"}
+NOT_RUN_HERE = {
+    "run": "trains a model, minutes (tests/integration runs the pipeline)",
+    "stage": "runs a stage, minutes (tests/integration)",
+    "checkpoints": "needs an earlier run's checkpoints",
+    "promote": "needs registered versions",
+    "compare": "needs MLflow runs (RUN_A RUN_B)",
+    "reproduce": "needs an MLflow run, and reruns it",
+    "deploy": "needs a Prefect server",
+    "lm-eval": "evaluates a model, minutes",
+    "chat": "needs a trained model",
+    "generate": "needs a trained model",
+}
+
+
+def verbs() -> set[str]:
+    [subparsers] = [action for action in build_parser()._actions
+                    if isinstance(action, argparse._SubParsersAction)]
+    return set(subparsers.choices) | {"lm-eval"}  # lm-eval: handed to lm-eval's own parser
+
+
+def runnable_commands(text: str) -> list[list[str]]:
+    return [args for line in shell_lines(text) for program, *args in commands(line)
+            if program.endswith("forgeline") and args[:1] and args[0] in RUN_HERE]
+
+
+def test_every_verb_is_run_or_says_why_not() -> None:
+    assert verbs() - RUN_HERE - set(NOT_RUN_HERE) == set()
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=doc_id)
+def test_every_quick_documented_command_runs(doc: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture) -> None:
+    """In order (a command may read what one before it wrote), in a directory holding a copy of
+    configs/ (commands name `configs/debug.yaml`), so nothing is written into the checkout."""
+    shutil.copytree(REPO_ROOT / "configs", tmp_path / "configs", ignore=shutil.ignore_patterns("*.py", "__*"))
+    monkeypatch.chdir(tmp_path)
+    failed = []
+    for args in runnable_commands(doc.read_text()):
+        capsys.readouterr()  # what an error below quotes is this command's own
+        status = main(args)
+        if status != 0:
+            failed.append(f"forgeline {shlex.join(args)}: exit {status}: {capsys.readouterr().err.strip()}")
+    assert failed == []
+
+
 def test_the_checks_find_a_wrong_flag_target_variable_key_and_config(tmp_path: Path) -> None:
     """Each check catches what it is for, so a passing run above means something."""
     doc = "\n".join([
@@ -243,6 +295,9 @@ def test_the_checks_find_a_wrong_flag_target_variable_key_and_config(tmp_path: P
         "train: {stepz: 3}",
         "```",
     ])
+    assert runnable_commands(doc) == []  # run, stage, checkpoints, lm-eval: none that runs here
+    assert runnable_commands("```bash\nforgeline status && forgeline plan --nodes 1\n```") == [
+        ["status"], ["plan", "--nodes", "1"]]
     assert command_problems(doc) == [
         "forgeline run --sett train.steps=30: the CLI refuses it",
         "forgeline stage trian: the CLI refuses it",
