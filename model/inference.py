@@ -4,7 +4,7 @@ inference bundle, and generate text."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 import torch
@@ -113,15 +113,28 @@ def pack_linears(model: nn.Module) -> nn.Module:
     return model
 
 
-@torch.no_grad()
 def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
                    temperature: float = 0.0, stop_token: int | None = None,
                    stop: Callable[[int, list[int]], bool] | None = None,
-                   generator: torch.Generator | None = None) -> list[list[int]]:
-    """Greedy (temperature 0) or sampled continuations of `prompts`, decoded together with a
-    KV cache; returns each prompt's new tokens. A row ends at `stop_token` (not included) or
-    once `stop(row, new_tokens)` is true. Prompts are cut to their last max_seq_len -
-    max_new_tokens tokens."""
+                   generator: torch.Generator | None = None, top_p: float = 1.0) -> list[list[int]]:
+    """Each prompt's new tokens, decoded together (stream_batch). A row ends at `stop_token`
+    (not included) or once `stop(row, new_tokens)` is true."""
+    new: list[list[int]] = [[] for _ in prompts]
+    for row, token in stream_batch(model, prompts, max_new_tokens, temperature, top_p,
+                                   () if stop_token is None else (stop_token,), stop, generator):
+        new[row].append(token)
+    return new
+
+
+@torch.no_grad()
+def stream_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
+                 temperature: float = 0.0, top_p: float = 1.0, stop_tokens: Collection[int] = (),
+                 stop: Callable[[int, list[int]], bool] | None = None,
+                 generator: torch.Generator | None = None) -> Iterator[tuple[int, int]]:
+    """Greedy (temperature 0) or sampled (sample_next) continuations of `prompts`, decoded
+    together with a KV cache: yields (row, token) for each new token as soon as it is chosen. A
+    row ends at a token of `stop_tokens` (not yielded) or once `stop(row, new_tokens)` is true.
+    Prompts are cut to their last max_seq_len - max_new_tokens tokens."""
     device = next(model.parameters()).device
     room = model.shape.max_seq_len - max_new_tokens
     if room < 1:
@@ -134,17 +147,19 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
     for row, prompt in enumerate(prompts):  # left-padded: every row's next token is at `width`
         tokens[row, width - len(prompt):] = torch.tensor(prompt, device=device)
         cache.valid[row, width - len(prompt):width] = True
-    logits = model.output(model.hidden_states(tokens, cache)[:, -1]).float()  # (B, V): last position only
+    logits = model.logits(model.hidden_states(tokens, cache)[:, -1]).float()  # (B, V): last position only
     new: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))  # the rows still decoding, in cache order
     for step in range(max_new_tokens):
-        if temperature > 0:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            chosen = torch.multinomial(probs, 1, generator=generator)[:, 0]
-        else:
-            chosen = logits.argmax(-1)
-        keep = [position for position, (row, token) in enumerate(zip(active, chosen.tolist(), strict=True))
-                if _extend(new, row, token, stop_token, stop)]
+        chosen = sample_next(logits, temperature, top_p, generator)
+        keep = []
+        for position, (row, token) in enumerate(zip(active, chosen.tolist(), strict=True)):
+            if token in stop_tokens:
+                continue
+            new[row].append(token)
+            yield row, token
+            if stop is None or not stop(row, new[row]):
+                keep.append(position)
         if not keep or step == max_new_tokens - 1:
             break
         if len(keep) < len(active):  # finished rows leave the batch: no compute spent on them
@@ -153,14 +168,19 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
             chosen = chosen.index_select(0, rows)
             active = [active[position] for position in keep]
         cache.valid[:, width + step] = True
-        logits = model.output(model.hidden_states(chosen[:, None], cache)[:, -1]).float()
-    return new
+        logits = model.logits(model.hidden_states(chosen[:, None], cache)[:, -1]).float()
 
 
-def _extend(new: list[list[int]], row: int, token: int, stop_token: int | None,
-            stop: Callable[[int, list[int]], bool] | None) -> bool:
-    """Append `token` to the row's output; whether the row goes on decoding."""
-    if token == stop_token:
-        return False
-    new[row].append(token)
-    return stop is None or not stop(row, new[row])
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Each row's next token (B,) from its logits (B, V): the likeliest at temperature 0, else
+    drawn from softmax(logits / temperature) restricted to the likeliest tokens whose
+    probability together first reaches `top_p` (nucleus sampling; 1 keeps every token)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1:
+        ranked, order = probs.sort(dim=-1, descending=True)
+        ranked[ranked.cumsum(-1) - ranked >= top_p] = 0  # the mass before a token reached top_p already
+        probs = torch.zeros_like(probs).scatter_(-1, order, ranked)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -99,21 +99,30 @@ class HFGenerator(mlflow.pyfunc.PythonModel):
     # contract (a DataFrame with a `prompt` or a `messages` column, or both, one of them set on
     # each row; params max_new_tokens and temperature).
     def predict(self, context, model_input, params=None):
+        """All rows in one `generate` call, left-padded: a decoding step computes every row at
+        once, where a loop over rows would pay a step's fixed cost once per row."""
         params = params or {}
         temperature = float(params.get("temperature", 0.0))
         sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else \
             {"do_sample": False}
         eos, max_new_tokens = self.tokenizer.eos_token_id, int(params.get("max_new_tokens", 64))
-        outputs = []
-        for row in model_input.to_dict(orient="records"):
-            prompt = self.prompt_text(row)
-            ids = torch.tensor([self.tokenizer.encode(prompt, add_special_tokens=False) or [eos]])
-            with torch.no_grad():
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=eos,
-                                          eos_token_id=self.stop_ids, max_new_tokens=max_new_tokens,
-                                          **sampling)
-            outputs.append(self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
-        return outputs
+        ids, attention_mask = self.left_padded([self.prompt_text(row) for row in
+                                                model_input.to_dict(orient="records")])
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=attention_mask, pad_token_id=eos,
+                                      eos_token_id=self.stop_ids, max_new_tokens=max_new_tokens, **sampling)
+        # A row that stopped early goes on as pad tokens (end-of-text): special, dropped like its stop token
+        return self.tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+
+    def left_padded(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts' tokens (B, T) padded on the left, so that every row's next token is at T,
+        and their attention mask; an empty prompt is the end-of-text token alone."""
+        eos = self.tokenizer.eos_token_id
+        rows = [self.tokenizer.encode(prompt, add_special_tokens=False) or [eos] for prompt in prompts]
+        width = max(len(row) for row in rows)
+        ids = torch.tensor([[eos] * (width - len(row)) + row for row in rows])
+        attention_mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+        return ids, attention_mask
 
 
 MESSAGE = Object([Property("role", "string"), Property("content", "string")])
