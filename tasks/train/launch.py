@@ -35,9 +35,11 @@ def run_streaming(cmd: Sequence[str], env: Mapping[str, str], timeout_s: float,
         text=True, bufsize=1, start_new_session=True,
     )
     tail: collections.deque[str] = collections.deque(maxlen=40)
+    stopping = threading.Event()
     # The reader runs in the caller's context, so Prefect's log handler knows the task run.
     context = contextvars.copy_context()
-    reader = threading.Thread(target=context.run, args=(_pump, proc, logger, tail, on_line), daemon=True)
+    reader = threading.Thread(target=context.run, args=(_pump, proc, logger, tail, on_line, stopping),
+                              daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout_s
     try:
@@ -50,6 +52,7 @@ def run_streaming(cmd: Sequence[str], env: Mapping[str, str], timeout_s: float,
     finally:
         if proc.poll() is None:  # interrupted or cancelled while the job still runs
             logger.warning("stopping the launched job (process group %d)", proc.pid)
+            stopping.set()
             _kill_group(proc, grace_s)
         reader.join(timeout=5)
     if proc.returncode != 0:
@@ -67,12 +70,15 @@ def dying_with_caller(cmd: Sequence[str]) -> list[str]:
 
 
 def _pump(proc: subprocess.Popen, logger: logging.Logger, tail: collections.deque,
-          on_line: Callable[[str], None] | None) -> None:
+          on_line: Callable[[str], None] | None, stopping: threading.Event) -> None:
+    """The job's lines to the log; once this process stops the job, torchrun's own (the
+    traceback of the SignalException it ends in) to the stage's log file alone, under
+    TORCHRUN_LOGGER, which the console leaves out: the console ends in one sentence."""
     for line in proc.stdout:
         line = line.rstrip()
         if line:
             tail.append(line)
-            relay_line(logger, line)
+            relay_line(logging.getLogger(TORCHRUN_LOGGER) if stopping.is_set() else logger, line)
             if on_line is not None:
                 on_line(line)
 
@@ -83,6 +89,7 @@ RANK_LINE = re.compile(r"\[rank(\d+)\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
 # The training progress line of model/training/metrics.py: "... step 5/20  loss 6.659 ...".
 STEP_PROGRESS = re.compile(r"step (\d+)/(\d+)\s+(.*)")
 METRICS_LOGGER = "forgeline.model.training.metrics"
+TORCHRUN_LOGGER = "torchrun"  # not under "torch": torch gives that logger its own stderr handler
 
 
 def relay_line(logger: logging.Logger, line: str) -> None:

@@ -5,6 +5,7 @@ from the step saved."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -107,3 +108,34 @@ def test_sigterm_during_the_data_build_stops_its_dask_workers(tmp_path: Path) ->
         if cli.poll() is None:
             cli.kill()
         stop(carrying(RUN_ENV, run))
+
+
+def test_ctrl_c_ends_in_one_sentence_like_sigterm(tmp_path: Path) -> None:
+    """SIGINT to the terminal's process group mid-train, as Ctrl-C sends it: no traceback from
+    forgeline or torchrun on the console (the stage's log file keeps them), exit 130."""
+    run = uuid.uuid4().hex
+    env = user_env(tmp_path) | {RUN_ENV: run, "PYTHONPATH": str(REPO_ROOT)}  # the ranks import tests.faults
+    cue = tmp_path / "signalled"
+    wait = callbacks(("WaitBefore", {"step": 6, "until": str(cue)}))
+    err = tmp_path / "stderr.log"
+    cli = subprocess.Popen(forgeline_run(wait), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                           stderr=err.open("w"), start_new_session=True)  # a terminal's own group
+    try:
+        deadline = time.monotonic() + 600
+        while not logged_step(tmp_path / "artifacts" / "tracking-spool", 5):
+            assert cli.poll() is None, err.read_text()[-6000:]
+            assert time.monotonic() < deadline, "training did not reach step 5:\n" + err.read_text()[-6000:]
+            time.sleep(0.5)
+        os.killpg(cli.pid, signal.SIGINT)
+        cue.touch()
+        cli.wait(timeout=300)
+        assert_nothing_left(run)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+        stop(carrying(RUN_ENV, run))
+    console = err.read_text()
+    assert cli.returncode == 128 + signal.SIGINT, console[-6000:]
+    assert "Traceback" not in console and "SignalException" not in console, console[-6000:]
+    last_line = console.strip().splitlines()[-1]
+    assert last_line.startswith("forgeline: stopped by SIGINT: the work was stopped"), console[-6000:]
