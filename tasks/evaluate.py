@@ -206,7 +206,8 @@ class ModelScores:
     def items_record(self, plan: Plan) -> dict[str, dict]:
         """What items.json keeps: per task its metric, item ids and per-item values."""
         return {s.task: {"metric": s.metric, "aggregation": s.aggregation, "ids": self.items[s.task].ids,
-                         "values": self.items[s.task].values} for scores, _ in plan.values() for s in scores}
+                         "values": self.items[s.task].values, "clusters": self.items[s.task].clusters}
+                for scores, _ in plan.values() for s in scores}
 
 
 def plan_record(plan: Plan) -> dict[str, dict]:
@@ -276,7 +277,7 @@ class EvaluatedItems:
         record = json.loads(path.read_text())
         if "suite" not in record:
             raise ValueError(f"{path} has no suite record: it was written before evaluations could be paired")
-        items = {task: TaskItems(ids=entry["ids"], values=entry["values"])
+        items = {task: TaskItems(ids=entry["ids"], values=entry["values"], clusters=entry.get("clusters"))
                  for task, entry in record[which].items()}
         suite = record["suite"]
         return cls(suite["fingerprint"], suite["plan"], items, suite.get("scoring", {}).get("max_length"))
@@ -362,11 +363,13 @@ def stderrs_of(report: dict) -> dict[str, float]:
 
 def detectable_overall(report: dict) -> float | None:
     """The minimum detectable difference of the overall score against another model on the same
-    items: that of a paired difference whose two sides each vary as this one does and do not
+    items, at the promotion gate's level (its tests of each dimension and the overall, corrected
+    together): that of a paired difference whose two sides each vary as this one does and do not
     correlate -- an upper bound, as two models agree on items more often than not (the gate's
     paired figure, tasks/promote.py, is the exact one)."""
     stderr = report["overall_stderr"]
-    return None if stderr is None else detectable_difference(math.sqrt(2) * stderr)
+    tests = len(report["dimensions"]) + 1
+    return None if stderr is None else detectable_difference(math.sqrt(2) * stderr, tests)
 
 
 def result_of(report: dict, raw: dict[str, float], out_dir: Path, checkpoint: Path) -> EvalResult:

@@ -1,17 +1,22 @@
 """The promotion gate: alias `champion` moves to a model version only when its evaluation beats
 the champion's by more than noise, item by item on the same items.
 
-The rules (docs/promotion.md), with d the candidate's score minus the champion's,
-paired on the candidate's items, and [lo, hi] its 95 % interval (eval/scores.py
-paired_comparison); a dimension is significantly worse when its hi < 0, better when its lo > 0:
+The rules (docs/promotion.md), with d the candidate's score minus the champion's, paired on the
+candidate's items (eval/scores.py paired_comparison): each dimension's d is tested against 0 and
+the overall d against registry.promotion_margin by the paired swap test (exact or permutation,
+clusters of items kept together), and the p-values of all these tests together are corrected by
+Holm's method, so that of two equally good models any of them is called different in at most
+5 % of comparisons (ALPHA). A dimension is significantly worse (better) when its corrected
+p-value is at most 5 % and d < 0 (d > 0); the overall is significantly below (above) the margin
+likewise.
   - rejected: a dimension significantly worse while none is significantly better, whatever
     registry.max_dimension_regression (averaging in dimensions at chance must not wash out a real
-    loss); in a trade-off (some dimension significantly better), a dimension worse than
-    -registry.max_dimension_regression (hi below it); a dimension the champion was scored on and
-    the candidate was not; or overall hi < registry.promotion_margin (it misses the margin with
-    95 % confidence);
-  - promoted: none of those, overall lo >= registry.promotion_margin, and the two differ on at
-    least one item;
+    loss); in a trade-off (some dimension significantly better), a dimension significantly worse
+    whose 95 % interval lies below -registry.max_dimension_regression; a dimension the champion
+    was scored on and the candidate was not; or the overall significantly below the margin;
+  - promoted: none of those, the two differ on at least one item, and either the overall is
+    significantly above the margin, or (with a margin of at most 0) a dimension is significantly
+    better and none significantly worse -- the mirror of the rejection, with the same error;
   - inconclusive: anything else -- no dimension decided. The decision then states the minimum
     detectable difference at the current item counts and the limits that would resolve a
     difference the size of d.
@@ -57,7 +62,7 @@ from mlflow.exceptions import MlflowException
 from transformers import AutoConfig
 
 from forgeline.configs import Config
-from forgeline.eval.scores import Z80_POWER, Z95, detectable_difference, paired_comparison
+from forgeline.eval.scores import ALPHA, detectable_difference, holm, paired_comparison
 from forgeline.eval.suite import render_suite, suite_fingerprint, suite_task_manager
 from forgeline.model.hf import model_shape_from_hf
 from forgeline.tasks.compare import ITEMS_ARTIFACT, logged_items
@@ -68,7 +73,7 @@ log = logging.getLogger(__name__)
 
 CHAMPION_ALIAS = "champion"
 DECISION_TAG = "forgeline.promotion"
-EVIDENCE_TAG_PREFIX = "forgeline.promotion."  # + "versus", "overall", "dimension/<name>", "detectable"
+EVIDENCE_TAG_PREFIX = "forgeline.promotion."  # + "versus", "overall", "dimension/<name>", "p_values"...
 # A promotion's decision, written before the alias moves and replaced by DECISION_TAG after: a
 # process that dies in between leaves the champion with it, and the next `promote` records it.
 PENDING_TAG = "forgeline.promotion.pending"
@@ -96,8 +101,24 @@ def identical(comparison: dict) -> bool:
     return comparison["overall_stderr"] == 0 and comparison["overall"] == 0
 
 
-def judge(comparison: dict, champion_dimensions: list[str], margin: float, max_regression: float) -> Verdict:
-    """The gate's rules on a paired comparison (candidate minus champion)."""
+OVERALL = "overall"  # the overall test's name among the dimensions' in the corrected family
+
+
+def corrected_p_values(comparison: dict) -> dict[str, float]:
+    """Holm's adjusted p-values of every test of the comparison: each dimension's (d = 0) and the
+    overall one (d = the margin), by name (OVERALL for the overall)."""
+    tested = {name: entry["p_value"] for name, entry in comparison["dimensions"].items()}
+    return holm({**tested, OVERALL: comparison["overall_p_value"]})
+
+
+def significance(p_value: float, corrected: float) -> str:
+    return f"p = {p_value:.3g}, {corrected:.3g} corrected for all the comparison's tests"
+
+
+def judge(comparison: dict, champion_dimensions: list[str], max_regression: float) -> Verdict:
+    """The gate's rules on a paired comparison (candidate minus champion), whose overall was
+    tested against the promotion margin (paired_comparison's `margin`)."""
+    margin = comparison["margin"]
     shared = sum(comparison["shared_items"].values())
     unshared = sorted(task for task, count in comparison["shared_items"].items() if not count)
     if unshared:
@@ -106,60 +127,84 @@ def judge(comparison: dict, champion_dimensions: list[str], margin: float, max_r
                f"on {shared} shared items")
     rejections = [f"dimension {name} was not evaluated (the champion's was)"
                   for name in champion_dimensions if name not in comparison["dimensions"]]
-    rejections += regressions(comparison["dimensions"], max_regression)
-    low_high = comparison["overall_ci95"]
-    if low_high is not None and low_high[1] < margin:
-        rejections.append(f"{overall} is below the margin {margin:g} with 95 % confidence")
+    if comparison["overall_p_value"] is None:
+        return Verdict(REJECTED, rejections) if rejections else Verdict(INCONCLUSIVE, [overall])
+    corrected = corrected_p_values(comparison)
+    rejections += regressions(comparison["dimensions"], corrected, max_regression)
+    overall_decided = corrected[OVERALL] <= ALPHA
+    evidence = significance(comparison["overall_p_value"], corrected[OVERALL])
+    if overall_decided and comparison["overall"] < margin:
+        rejections.append(f"{overall} is below the margin {margin:g} with 95 % confidence ({evidence})")
     if rejections:
         return Verdict(REJECTED, rejections)
     if identical(comparison):
         return Verdict(INCONCLUSIVE, [f"{overall}: identical results on every shared item"])
-    if low_high is None:
-        return Verdict(INCONCLUSIVE, [overall])
-    if low_high[0] >= margin:
-        return Verdict(PROMOTED, [f"{overall}: the lower bound clears the margin {margin:g}"])
-    return Verdict(INCONCLUSIVE, [f"{overall} holds the margin {margin:g}"])
+    if overall_decided:
+        return Verdict(PROMOTED, [f"{overall} is above the margin {margin:g} ({evidence})"])
+    better = improvements(comparison["dimensions"], corrected)
+    if better and margin <= 0 and not worse_dimensions(comparison["dimensions"], corrected):
+        return Verdict(PROMOTED, [*better, "no dimension is worse"])
+    return Verdict(INCONCLUSIVE, [f"{overall} holds the margin {margin:g} ({evidence}); no dimension "
+                                  "decided"])
 
 
-def regressions(dimensions: dict[str, dict], max_regression: float) -> list[str]:
+def worse_dimensions(dimensions: dict[str, dict], corrected: dict[str, float]) -> list[str]:
+    return [name for name in significant(dimensions, corrected) if dimensions[name]["difference"] < 0]
+
+
+def better_dimensions(dimensions: dict[str, dict], corrected: dict[str, float]) -> list[str]:
+    return [name for name in significant(dimensions, corrected) if dimensions[name]["difference"] > 0]
+
+
+def significant(dimensions: dict[str, dict], corrected: dict[str, float]) -> list[str]:
+    """The dimensions whose difference from 0 is significant after the correction."""
+    return [name for name in dimensions if corrected[name] <= ALPHA]
+
+
+def change(dimensions: dict[str, dict], name: str, corrected: dict[str, float]) -> str:
+    entry = dimensions[name]
+    return (f"{signed_interval(entry['difference'], entry['ci95'])} "
+            f"({significance(entry['p_value'], corrected[name])})")
+
+
+def improvements(dimensions: dict[str, dict], corrected: dict[str, float]) -> list[str]:
+    """The dimensions significantly better, in words."""
+    return [f"dimension {name} improved: {change(dimensions, name, corrected)}"
+            for name in better_dimensions(dimensions, corrected)]
+
+
+def regressions(dimensions: dict[str, dict], corrected: dict[str, float], max_regression: float) -> list[str]:
     """The dimensions that reject the candidate. With no dimension significantly better, each one
-    significantly worse (its interval below 0): a loss that nothing pays for, however small.
-    In a trade-off (some dimension significantly better), each one worse than -max_regression
-    with 95 % confidence: the loss the tolerance does not cover."""
-    def interval_of(name: str) -> list[float]:
-        return dimensions[name]["ci95"]
-
-    scored = [name for name, entry in dimensions.items() if entry["ci95"] is not None]
-    worse = [name for name in scored if interval_of(name)[1] < 0]
-    better = [name for name in scored if interval_of(name)[0] > 0]
-
-    def change(name: str) -> str:
-        return signed_interval(dimensions[name]["difference"], interval_of(name))
-
+    significantly worse: a loss that nothing pays for, however small. In a trade-off (some
+    dimension significantly better), each one significantly worse whose 95 % interval lies below
+    -max_regression: the loss the tolerance does not cover."""
+    worse = worse_dimensions(dimensions, corrected)
+    better = better_dimensions(dimensions, corrected)
     if not better:
-        return [f"dimension {name} regressed: {change(name)}, worse with 95 % confidence, and no dimension "
-                "is better" for name in worse]
-    return [f"dimension {name} regressed: {change(name)}, worse than -{max_regression:g} with 95 % "
-            f"confidence (the tolerance for a trade-off: {', '.join(better)} better)"
-            for name in worse if interval_of(name)[1] < -max_regression]
+        return [f"dimension {name} regressed: {change(dimensions, name, corrected)}, worse with 95 % "
+                "confidence, and no dimension is better" for name in worse]
+    return [f"dimension {name} regressed: {change(dimensions, name, corrected)}, worse than "
+            f"-{max_regression:g} with 95 % confidence (the tolerance for a trade-off: {', '.join(better)} "
+            "better)" for name in worse if dimensions[name]["ci95"][1] < -max_regression]
 
 
-def resolution(comparison: dict, plan: dict[str, dict], margin: float) -> str:
+def resolution(comparison: dict, plan: dict[str, dict]) -> str:
     """What an inconclusive comparison -- one no dimension decided -- would need: the minimum
-    detectable difference at these counts, and the per-dimension limits at which a true
-    difference the size of the observed one would clear the margin with 80 % power (the
-    standard error shrinks as 1/sqrt(items))."""
+    detectable difference at these counts (80 % power at the gate's corrected level), and the
+    per-dimension limits at which a true difference the size of the observed one would clear
+    the margin with that power (the standard error shrinks as 1/sqrt(items))."""
     stderr = comparison["overall_stderr"]
     if stderr is None:
         return "at least two shared items per task are needed for an interval"
     if stderr == 0:
         return "more items cannot resolve it: the two score alike on every shared item"
-    found = (f"the smallest overall difference these items detect (80 % power, 5 % two-sided) is "
-             f"{detectable_difference(stderr):.4f}")
-    effect = abs(comparison["overall"] - margin)
+    detectable = detectable_difference(stderr, tests=len(comparison["dimensions"]) + 1)
+    found = (f"the smallest overall difference these items detect (80 % power, 5 % family-wise over "
+             f"the {len(comparison['dimensions']) + 1} tests) is {detectable:.4f}")
+    effect = abs(comparison["overall"] - comparison["margin"])
     if effect < 1e-9:
         return found + "; the observed difference equals the margin, so no number of items resolves it"
-    factor = ((Z95 + Z80_POWER) * stderr / effect) ** 2
+    factor = (detectable / effect) ** 2
     if factor <= 1:
         return found
     limits = []
@@ -280,6 +325,12 @@ def evidence_tags(comparison: dict, champion: str, advice: str) -> dict[str, str
             "shared_items": str(sum(comparison["shared_items"].values()))}
     tags |= {f"dimension/{name}": signed_interval(entry["difference"], entry["ci95"])
              for name, entry in comparison["dimensions"].items()}
+    if comparison["overall_p_value"] is not None:
+        corrected = corrected_p_values(comparison)
+        tested = {OVERALL: comparison["overall_p_value"]} | {
+            name: entry["p_value"] for name, entry in comparison["dimensions"].items()}
+        tags["p_values"] = "; ".join(f"{name} {p_value:.3g} (corrected {corrected[name]:.3g})"
+                                     for name, p_value in tested.items())
     if advice:
         tags["resolution"] = advice
     return {EVIDENCE_TAG_PREFIX + key: value for key, value in tags.items()}
@@ -297,12 +348,11 @@ def decide(cfg: Config, client: MlflowClient, candidate: ModelVersion,
     except Unpaired as err:  # no evidence either way: the version stays registered, the alias stays
         return Decision(candidate.name, str(candidate.version), str(champion.version), INCONCLUSIVE,
                         [f"not compared: {err}"]), {}
-    comparison = paired_comparison(candidate_items.items, champion_items.items, candidate_items.scores())
     rcfg = cfg.registry
-    verdict = judge(comparison, list(champion_items.plan), rcfg.promotion_margin,
-                    rcfg.max_dimension_regression)
-    advice = resolution(comparison, candidate_items.plan, rcfg.promotion_margin) \
-        if verdict.outcome == INCONCLUSIVE else ""
+    comparison = paired_comparison(candidate_items.items, champion_items.items, candidate_items.scores(),
+                                   rcfg.promotion_margin)
+    verdict = judge(comparison, list(champion_items.plan), rcfg.max_dimension_regression)
+    advice = resolution(comparison, candidate_items.plan) if verdict.outcome == INCONCLUSIVE else ""
     decision = Decision(candidate.name, str(candidate.version), str(champion.version), verdict.outcome,
                         verdict.reasons, advice)
     return decision, evidence_tags(comparison, str(champion.version), advice)
