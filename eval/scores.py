@@ -202,12 +202,15 @@ class SwapTask:
     @classmethod
     def of(cls, a: TaskItems, b: TaskItems, score: TaskScore, weight: float) -> SwapTask:
         ours, others, clusters = paired_items(a, b)
-        columns = np.asarray(ours, dtype=float).reshape(len(ours), -1), \
-            np.asarray(others, dtype=float).reshape(len(others), -1)
         groups = cluster_indices(clusters, len(ours))
-        sums = [np.array([part[indices].sum(axis=0) for indices in groups]) for part in columns]
-        half = (sums[0] - sums[1]) / 2
-        return cls(middle=(sums[0] + sums[1]).sum(axis=0) / 2, half=half[np.any(half != 0, axis=1)],
+
+        def cluster_sums(values: list[Any]) -> np.ndarray:  # (clusters, columns)
+            columns = np.asarray(values, dtype=float).reshape(len(values), -1)
+            return np.array([columns[indices].sum(axis=0) for indices in groups])
+
+        a_sums, b_sums = cluster_sums(ours), cluster_sums(others)
+        half = (a_sums - b_sums) / 2
+        return cls(middle=(a_sums + b_sums).sum(axis=0) / 2, half=half[np.any(half != 0, axis=1)],
                    n=len(ours), weight=weight, aggregate_sums=AGGREGATIONS_OF_SUMS[score.aggregation],
                    scale=score.best - score.chance)
 
