@@ -374,11 +374,35 @@ class DataConfig(Section):
         return dump
 
 
+ModelFamily = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
+
+
+class RopeScaling(Section):
+    """Rotary frequencies rescaled for a context longer than pretraining's (Hugging Face's
+    `rope_parameters`): `linear` divides every frequency by `factor`; `llama3` (Llama 3.1) divides
+    the low frequencies only, blending between `low_freq_factor` and `high_freq_factor`."""
+
+    type: Literal["linear", "llama3"]
+    """How the frequencies are rescaled."""
+
+    factor: PositiveFloat
+    """How much longer the context is than pretraining's."""
+
+    low_freq_factor: PositiveFloat = 1.0
+    """`llama3`: wavelengths above original_max_position_embeddings / low_freq_factor are scaled fully."""
+
+    high_freq_factor: PositiveFloat = 4.0
+    """`llama3`: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+
+    original_max_position_embeddings: PositiveInt = 8192
+    """`llama3`: pretraining's context length."""
+
+
 class ModelConfig(Section):
-    """Shape of a Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention): the
-    `model` section of a run config, and the one shape type of every built model -- the
-    transformer, its checkpoints and inference bundles, Hugging Face import and export, and the
-    layout planner."""
+    """Shape of a Llama-style decoder (RMSNorm, RoPE, a gated feed-forward block, grouped-query
+    attention) and its family's variations of it: the `model` section of a run config, and the
+    one shape type of every built model -- the transformer, its checkpoints and inference
+    bundles, Hugging Face import and export, and the layout planner."""
 
     vocab_size: PositiveInt | None = None
     """Vocabulary size. Unset in a run config: the size of the tokenizer the data stage wrote.
@@ -419,9 +443,60 @@ class ModelConfig(Section):
     `rotate_half`. The same network up to a permutation of q/k rows; a model from a Hugging Face
     base keeps `half` so its weights load unpermuted into any sharded layout."""
 
+    family: ModelFamily = "llama"
+    """The architecture family (model/families/), named as Hugging Face's `model_type`: which
+    variant of the decoder the keys below describe and the format exports are written in. Set by
+    the base's config.json when `init_from` names one; a model trained from scratch may take any."""
+
+    attention_head_dim: PositiveInt | None = None
+    """Width of an attention head; unset: dim / n_heads (Qwen3 and Gemma set their own)."""
+
+    qkv_bias: bool = False
+    """The q, k and v projections have a bias (Qwen2)."""
+
+    qk_norm: bool = False
+    """Queries and keys are RMS-normalized per head before the rotary embedding (Qwen3, Gemma 3)."""
+
+    sliding_window: PositiveInt | None = None
+    """A token attends to itself and the `sliding_window - 1` tokens before it, in the layers
+    `sliding_layers` lists (Mistral, Gemma); unset: every layer attends to the whole context."""
+
+    sliding_layers: list[Annotated[int, Field(ge=0)]] | None = None
+    """The layers that use `sliding_window`; unset: all of them."""
+
+    rope_scaling: RopeScaling | None = None
+    """Rotary frequencies rescaled for a longer context (Llama 3.1's `llama3`, `linear`)."""
+
+    local_rope_theta: PositiveFloat | None = None
+    """`rope_theta` of the sliding-window layers, when it differs (Gemma 3); they are not rescaled."""
+
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    """The gate's activation in the gated feed-forward block: SwiGLU, or GeGLU with tanh-approximated
+    GELU (Gemma)."""
+
+    norm_offset: bool = False
+    """RMSNorm gains are stored as w and applied as 1 + w (Gemma)."""
+
+    sandwich_norms: bool = False
+    """Attention and feed-forward outputs are RMS-normalized too, before they join the residual
+    stream (Gemma 2 and 3)."""
+
+    embedding_scale: bool = False
+    """Embeddings are multiplied by sqrt(dim) (Gemma)."""
+
+    query_pre_attn_scalar: PositiveInt | None = None
+    """Attention scores are scaled by query_pre_attn_scalar**-0.5; unset: head_dim**-0.5 (Gemma)."""
+
+    attn_logit_softcap: PositiveFloat | None = None
+    """Attention scores pass through cap * tanh(score / cap) (Gemma 2)."""
+
+    final_logit_softcap: PositiveFloat | None = None
+    """Logits pass through cap * tanh(logit / cap) (Gemma 2)."""
+
     init_from: str | None = None
-    """Start training from pretrained weights instead of a random init: a Hugging Face Llama
-    directory (config.json and *.safetensors), a `.gguf` file (dequantized by transformers once,
+    """Start training from pretrained weights instead of a random init: a Hugging Face
+    directory of a supported family (config.json and *.safetensors; `forgeline config show --docs`
+    lists the families under model.family), a `.gguf` file (dequantized by transformers once,
     then cached as safetensors), a forgeline checkpoint (a committed `step-*` directory), a file
     or directory inside an installed Python package (`package:PACKAGE/PATH`), a registered model
     version (`models:/NAME@ALIAS`, `models:/NAME/VERSION`), or a Hugging Face hub
@@ -433,17 +508,33 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _heads_fit(self) -> ModelConfig:
-        if self.dim % self.n_heads:
-            raise ValueError(f"n_heads={self.n_heads} must divide dim={self.dim}")
+        if self.attention_head_dim is None and self.dim % self.n_heads:
+            raise ValueError(f"n_heads={self.n_heads} must divide dim={self.dim} (or set attention_head_dim)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}"
             )
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(
-                f"head dim dim/n_heads={self.dim // self.n_heads} must be even for RoPE"
-            )
+        if self.head_dim % 2:
+            raise ValueError(f"the head dim {self.head_dim} must be even for RoPE")
         return self
+
+    @model_validator(mode="after")
+    def _layers_exist(self) -> ModelConfig:
+        if self.sliding_layers is not None:
+            if self.sliding_window is None:
+                raise ValueError("sliding_layers needs sliding_window")
+            if beyond := [i for i in self.sliding_layers if i >= self.n_layers]:
+                raise ValueError(f"sliding_layers names layers {beyond} of a model of "
+                                 f"n_layers={self.n_layers}")
+        return self
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of block `layer`, None where it attends to the whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_layers is not None and layer not in self.sliding_layers:
+            return None
+        return self.sliding_window
 
     def for_vocabulary(self, vocab_size: int) -> ModelConfig:
         """This shape with the vocabulary of a tokenizer of `vocab_size` tokens. A pretrained
@@ -473,13 +564,16 @@ class ModelConfig(Section):
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attention_head_dim or self.dim // self.n_heads
 
     @property
     def layer_params(self) -> int:
-        """One block: wq and wo (dim^2 each), wk and wv (dim * kv_dim each), SwiGLU, two norms."""
-        kv_dim = self.n_kv_heads * self.head_dim
-        return 2 * self.dim * (self.dim + kv_dim) + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        """One block: wq and wo (dim * q_dim each), wk and wv (dim * kv_dim each), the gated
+        feed-forward block, the norms and biases."""
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        norms = (4 if self.sandwich_norms else 2) * self.dim + (2 * self.head_dim if self.qk_norm else 0)
+        biases = q_dim + 2 * kv_dim if self.qkv_bias else 0
+        return 2 * self.dim * (q_dim + kv_dim) + 3 * self.dim * self.ffn_dim + norms + biases
 
     def num_params(self) -> int:
         """Parameter count: the embedding and (untied) output projection, the blocks, the final
@@ -491,7 +585,9 @@ class ModelConfig(Section):
         """Training FLOPs per token, forward + backward (PaLM appendix B): 6 per weight of every
         matmul (all parameters but the embedding table and the norm gains) plus attention's
         score and value products, 12 * n_layers * dim * seq_len."""
-        matmul_params = self._vocab() * self.dim + self.n_layers * (self.layer_params - 2 * self.dim)
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        block_matmuls = 2 * self.dim * (q_dim + kv_dim) + 3 * self.dim * self.ffn_dim
+        matmul_params = self._vocab() * self.dim + self.n_layers * block_matmuls
         return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
 
     def _vocab(self) -> int:

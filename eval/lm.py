@@ -330,7 +330,7 @@ class ForgelineLM(TemplateLM):
             yield index, (float(logprob.sum()), bool(chosen.all()))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.output(hidden).float()
+        return self.model.logits(hidden).float()
 
     def _window(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
         """Model inputs (the last max_length tokens of context + continuation, minus the final

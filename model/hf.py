@@ -1,9 +1,10 @@
-"""Conversion between forgeline's Transformer and Hugging Face `LlamaForCausalLM`.
+"""Conversion between forgeline's Transformer and Hugging Face's `*ForCausalLM` of each family
+forgeline has (model/families/: Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3).
 
-Both are the same network: pre-norm blocks with RMSNorm (computed in fp32, the gain applied after
-casting back), grouped-query attention scaled by head_dim**-0.5, SwiGLU feed-forward, an output projection
-tied to the embedding or not (`ModelConfig.tie_embeddings`; tied, `lm_head.weight` is not
-written). Parameter names map one to one:
+Both are the same network, its variations set by `ModelConfig` keys that a family reads from and
+writes to the Hugging Face config. An output projection is tied to the embedding or not
+(`ModelConfig.tie_embeddings`; tied, `lm_head.weight` is not written). Parameter names map as
+the family's weight names say, for Llama:
 
     tok_embeddings.weight                 model.embed_tokens.weight
     layers.{i}.attention_norm.weight      model.layers.{i}.input_layernorm.weight
@@ -12,6 +13,9 @@ written). Parameter names map one to one:
     layers.{i}.feed_forward.w1 / w3 / w2  model.layers.{i}.mlp.gate_proj / up_proj / down_proj
     norm.weight                           model.norm.weight
     output.weight                         lm_head.weight
+
+A fused Hugging Face tensor (Phi-3's qkv_proj, gate_up_proj) is several forgeline weights
+concatenated by rows.
 
 The rotary embedding's channel pairing may differ (`ModelConfig.rope_layout`). Hugging Face
 rotates channel k with channel k + head_dim/2 (rotate_half); a model imported from it keeps that
@@ -35,8 +39,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from forgeline.configs.schema import ModelConfig
+from forgeline.model.families import family_named
 from forgeline.model.fileio import new_directory
 from forgeline.model.init import canonical_name
 from forgeline.model.llama import Transformer
@@ -44,32 +50,39 @@ from forgeline.model.llama import Transformer
 # transformers is imported where it is used: the ranks import this module for load_hf_weights
 # alone, and transformers would add about 2 s to every rank's start (and to every restart).
 if TYPE_CHECKING:
-    from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
 HF_WEIGHTS = "model.safetensors"
-_LAYER_NAMES = {  # forgeline name within a block -> Hugging Face name within a decoder layer
-    "attention_norm.weight": "input_layernorm.weight",
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-}
+
+
+def hf_weights(shape: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Hugging Face tensor name -> the forgeline parameters it holds (several: concatenated by
+    rows), for a whole model. Tied, the output projection is the embedding and has no tensor."""
+    layer = family_named(shape.family).layer_weights(shape)
+    weights = {"model.embed_tokens.weight": ("tok_embeddings.weight",)}
+    for i in range(shape.n_layers):
+        weights |= {f"model.layers.{i}.{theirs}": tuple(f"layers.{i}.{name}" for name in ours)
+                    for theirs, ours in layer.items()}
+    weights["model.norm.weight"] = ("norm.weight",)
+    if not shape.tie_embeddings:
+        weights["lm_head.weight"] = ("output.weight",)
+    return weights
 
 
 def _hf_names(shape: ModelConfig) -> dict[str, str]:
-    """forgeline parameter name -> Hugging Face parameter name, for a whole model. Tied, the
-    output projection is stored as the embedding."""
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight"}
-    for i in range(shape.n_layers):
-        names |= {f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in _LAYER_NAMES.items()}
-    output = "model.embed_tokens.weight" if shape.tie_embeddings else "lm_head.weight"
-    return names | {"norm.weight": "model.norm.weight", "output.weight": output}
+    """forgeline parameter name -> Hugging Face name, for the parameters stored as a tensor of
+    their own (not fused). Tied, the output projection is stored as the embedding."""
+    names = {ours[0]: theirs for theirs, ours in hf_weights(shape).items() if len(ours) == 1}
+    if shape.tie_embeddings:
+        names["output.weight"] = "model.embed_tokens.weight"
+    return names
+
+
+def fused_weights(shape: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The Hugging Face tensors that hold several forgeline parameters."""
+    return {theirs: ours for theirs, ours in hf_weights(shape).items() if len(ours) > 1}
 
 
 def _interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -83,19 +96,26 @@ def _half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _heads(name: str, shape: ModelConfig) -> int | None:
-    """Number of heads whose rows need the rotary permutation, None for other parameters."""
+    """Number of heads whose rows need the rotary permutation, None for other parameters: the
+    q and k projections and their biases, and the per-head q and k norms' channels."""
     if shape.rope_layout == "half":
         return None
-    if name.endswith("attention.wq.weight"):
+    if name.endswith(("attention.wq.weight", "attention.wq.bias")):
         return shape.n_heads
-    if name.endswith("attention.wk.weight"):
+    if name.endswith(("attention.wk.weight", "attention.wk.bias")):
         return shape.n_kv_heads
+    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return 1
     return None
 
 
 def hf_name(name: str, shape: ModelConfig) -> str:
-    """The Hugging Face name of the forgeline parameter `name`."""
-    return _hf_names(shape)[name]
+    """The Hugging Face name of the forgeline parameter `name`, stored as a tensor of its own."""
+    names = _hf_names(shape)
+    if name not in names:
+        raise ValueError(f"{name} is part of a fused {shape.family} tensor, not a Hugging Face tensor "
+                         "of its own")
+    return names[name]
 
 
 def rows_to_hf(name: str, w: torch.Tensor, shape: ModelConfig) -> torch.Tensor:
@@ -106,55 +126,56 @@ def rows_to_hf(name: str, w: torch.Tensor, shape: ModelConfig) -> torch.Tensor:
 
 
 def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    """A full (unsharded) forgeline model's weights under `LlamaForCausalLM` names."""
-    ours, names = model.state_dict(), _hf_names(model.shape)
-    if unplaced := [name for name in ours if name not in names]:
-        raise ValueError(f"{unplaced[0]} has no place in a LlamaForCausalLM: merge LoRA adapters into "
-                         "their weights first (model/lora.py merge_lora)")
-    return {hf: rows_to_hf(name, ours[name], model.shape) for name, hf in names.items()}
+    """A full (unsharded) forgeline model's weights under its family's Hugging Face names."""
+    ours, weights = model.state_dict(), hf_weights(model.shape)
+    placed = {name for names in weights.values() for name in names} | {"output.weight"}
+    if unplaced := [name for name in ours if name not in placed]:
+        raise ValueError(f"{unplaced[0]} has no place in a {family_named(model.shape.family).architecture}: "
+                         "merge LoRA adapters into their weights first (model/lora.py merge_lora)")
+    return {hf: torch.cat([rows_to_hf(name, ours[name], model.shape) for name in names])
+            for hf, names in weights.items()}
+
+
+def parameter_sizes(shape: ModelConfig) -> dict[str, torch.Size]:
+    with torch.device("meta"):
+        return {name: t.shape for name, t in Transformer(shape).state_dict().items()}
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], shape: ModelConfig) -> dict[str, torch.Tensor]:
-    """`LlamaForCausalLM` weights -> a forgeline state dict of a model of `shape`. Tied, the
-    output projection is the embedding (transformers may list `lm_head.weight` too: the same
-    tensor)."""
+    """Hugging Face weights of `shape`'s family -> a forgeline state dict of a model of `shape`.
+    Tied, the output projection is the embedding (transformers may list `lm_head.weight` too: the
+    same tensor)."""
     sd = dict(sd)
     if shape.tie_embeddings:
         sd.pop("lm_head.weight", None)
-    out = {}
-    for name, hf_name in _hf_names(shape).items():
-        heads = _heads(name, shape)
-        out[name] = sd[hf_name] if heads is None else _half_to_interleaved(sd[hf_name], heads)
-    used = set(_hf_names(shape).values())
-    leftover = [k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq")]
+    sizes, weights, out = parameter_sizes(shape), hf_weights(shape), {}
+    for hf, names in weights.items():
+        parts = sd[hf].split([sizes[name][0] for name in names]) if len(names) > 1 else [sd[hf]]
+        for name, part in zip(names, parts, strict=True):
+            heads = _heads(name, shape)
+            out[name] = part if heads is None else _half_to_interleaved(part, heads)
+    if shape.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    leftover = [k for k in sd if k not in weights and not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise ValueError(f"Hugging Face weights forgeline has no place for: {leftover[:5]}")
     return out
 
 
-def hf_config(shape: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
-    from transformers import LlamaConfig
+def hf_config(shape: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """The config.json of `shape` as its family's Hugging Face config."""
+    from transformers import CONFIG_MAPPING
 
-    return LlamaConfig(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.dim,
-        intermediate_size=shape.ffn_dim,
-        num_hidden_layers=shape.n_layers,
-        num_attention_heads=shape.n_heads,
-        num_key_value_heads=shape.n_kv_heads,
-        head_dim=shape.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=shape.max_seq_len,
-        rms_norm_eps=shape.norm_eps,
-        rope_theta=shape.rope_theta,
-        attention_bias=False,
-        mlp_bias=False,
-        tie_word_embeddings=shape.tie_embeddings,
+    from forgeline.model.families.family import common_config
+
+    family = family_named(shape.family)
+    return CONFIG_MAPPING[family.model_type](
+        **common_config(shape) | family.write_config(shape),  # the family's fields win
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-        architectures=["LlamaForCausalLM"],
+        dtype="float32",
+        architectures=[family.architecture],
     )
 
 
@@ -176,60 +197,26 @@ def export_hf(model: Transformer, tokenizer_dir: str | Path, out_dir: Path) -> P
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    log.info("exported Hugging Face Llama model to %s", out_dir)
+    log.info("exported Hugging Face %s model to %s", family_named(model.shape.family).architecture, out_dir)
     return out_dir
 
 
-def _check_supported(config: PretrainedConfig) -> float:
-    """Raise ValueError naming the first config field forgeline cannot represent; returns
-    rope_theta."""
-    if config.model_type != "llama":
-        raise ValueError(f"model_type is {config.model_type!r}; only 'llama' can be imported")
-    for field in ("attention_bias", "mlp_bias"):
-        if getattr(config, field, False):
-            raise ValueError(f"{field}=True is not supported (forgeline's linear layers have no bias)")
-    if config.hidden_act != "silu":
-        raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (SwiGLU uses 'silu')")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim * config.num_attention_heads != config.hidden_size:
-        raise ValueError(f"head_dim={head_dim} is not hidden_size / num_attention_heads = "
-                         f"{config.hidden_size} / {config.num_attention_heads}")
-    # transformers 5 keeps rope_type and rope_theta in rope_parameters; 4 has rope_scaling + rope_theta.
-    rope = getattr(config, "rope_parameters", None)
-    if rope is None:
-        if config.rope_scaling is not None:
-            raise ValueError(f"rope_scaling={config.rope_scaling} is not supported (only None)")
-        return config.rope_theta
-    if rope.get("rope_type", "default") != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"rope_parameters={rope} is not supported: only plain RoPE (rope_type 'default', "
-                         "no rope_scaling)")
-    return rope["rope_theta"]
-
-
 def model_shape_from_hf(config: PretrainedConfig) -> ModelConfig:
-    rope_theta = _check_supported(config)
-    return ModelConfig(
-        vocab_size=config.vocab_size,
-        dim=config.hidden_size,
-        n_layers=config.num_hidden_layers,
-        n_heads=config.num_attention_heads,
-        n_kv_heads=config.num_key_value_heads,
-        ffn_dim=config.intermediate_size,
-        norm_eps=config.rms_norm_eps,
-        rope_theta=rope_theta,
-        max_seq_len=config.max_position_embeddings,
-        tie_embeddings=bool(config.tie_word_embeddings),
-        rope_layout="half",
-    )
+    """The shape of a Hugging Face config of a family forgeline has; UnsupportedArchitecture (a
+    ValueError) names the family or the field it cannot represent."""
+    from forgeline.model.families.family import common_fields
+
+    family = family_named(config.model_type)
+    return ModelConfig(**common_fields(config), **family.read_config(config))
 
 
 def import_hf(source: str | Path | PreTrainedModel, device: torch.device | str = "cpu",
               **from_pretrained_kwargs) -> tuple[Transformer, ModelConfig]:
-    """A Hugging Face Llama checkpoint -> a forgeline Transformer (fp32, eval mode) computing the
-    same logits, and its shape.
+    """A Hugging Face checkpoint of a family forgeline has -> a forgeline Transformer (fp32, eval
+    mode) computing the same logits, and its shape.
 
     Args:
-        source: a loaded `LlamaForCausalLM`, or a directory `from_pretrained` loads.
+        source: a loaded `*ForCausalLM`, or a directory `from_pretrained` loads.
         device: where the forgeline model's weights go.
         from_pretrained_kwargs: passed to `from_pretrained` for a directory, e.g. `gguf_file`.
     """
@@ -261,9 +248,9 @@ def hf_weight_files(directory: Path) -> list[Path]:
 def check_hf_weights(directory: Path, shape: ModelConfig) -> None:
     """Fail naming the file unless the safetensors in `directory` hold every weight of `shape`
     at its size; reads the headers only."""
-    with torch.device("meta"):
-        sizes = {name: tuple(t.shape) for name, t in Transformer(shape).state_dict().items()}
-    expected = {hf_name: sizes[name] for name, hf_name in _hf_names(shape).items()}
+    sizes = parameter_sizes(shape)
+    expected = {hf: (sum(sizes[name][0] for name in names), *sizes[names[0]][1:])
+                for hf, names in hf_weights(shape).items()}
     found: dict[str, tuple[int, ...]] = {}
     for path in hf_weight_files(directory):
         try:
@@ -282,19 +269,36 @@ def check_hf_weights(directory: Path, shape: ModelConfig) -> None:
 
 @torch.no_grad()
 def load_hf_weights(parts: list[nn.Module], directory: Path, shape: ModelConfig) -> None:
-    """Fill each model part -- materialized, parallelized or not -- with a Hugging Face Llama's
-    weights from the safetensors in `directory`, through torch.distributed.checkpoint's
+    """Fill each model part -- materialized, parallelized or not -- with the Hugging Face weights
+    of `shape`'s family from the safetensors in `directory`, through torch.distributed.checkpoint's
     HuggingFaceStorageReader: each rank reads only the slices of its shards (DTensors) from the
-    memory-mapped files. Collective when torch.distributed is initialized: every rank calls it
+    memory-mapped files. A fused tensor (Phi-3's qkv_proj) is read whole and each rank keeps its
+    shard of each part. Collective when torch.distributed is initialized: every rank calls it
     with as many parts. A tied output projection on its own pipeline stage (no embedding there)
     reads the embedding's rows, so both copies start equal."""
-    names = _hf_names(shape)
+    names, fused = _hf_names(shape), fused_weights(shape)
     for part in parts:
         # named_parameters lists a shared (tied) parameter once, under the embedding's name.
         # LoRA adapters (model/lora.py) are no weights of the base: they keep their initialization.
-        state = {names[canonical_name(name)]: param for name, param in part.named_parameters()
-                 if canonical_name(name) in names}
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(directory)))
+        params = {canonical_name(name): param for name, param in part.named_parameters()}
+        state = {names[name]: param for name, param in params.items() if name in names}
+        whole = {hf: torch.empty(sum(params[name].shape[0] for name in ours), *params[ours[0]].shape[1:],
+                                 dtype=params[ours[0]].dtype)
+                 for hf, ours in fused.items() if ours[0] in params}
+        dcp.load(state | whole, storage_reader=HuggingFaceStorageReader(str(directory)))
+        for hf, tensor in whole.items():
+            rows = tensor.split([params[name].shape[0] for name in fused[hf]])
+            for name, part_rows in zip(fused[hf], rows, strict=True):
+                _copy_into(params[name], part_rows)
+
+
+def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """`param` (a DTensor shard or a plain tensor) = its part of the full tensor `full`."""
+    if isinstance(param, DTensor):
+        # Every rank holds the full tensor: each keeps its own shard, with no collective.
+        full = distribute_tensor(full.to(param.device), param.device_mesh, param.placements,
+                                 src_data_rank=None)
+    param.copy_(full)
 
 
 def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:

@@ -1,8 +1,12 @@
-"""Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
+"""Llama-style decoder: RMSNorm, rotary embeddings, a gated feed-forward block, grouped-query
+attention -- and the variations of it the families of model/families/ need, each a key of its
+`ModelConfig` (configs/schema.py): q/k/v biases, q/k norms, a head width of its own, sliding-window
+layers, rescaled or per-layer rotary frequencies, GeGLU, 1 + w norm gains, sandwich norms, scaled
+embeddings, soft-capped scores and logits.
 
-Architecture only. Its shape is a `ModelConfig` (configs/schema.py). Parallelism is applied
-from outside (model/parallel/). The model is meant to be built on the meta device, parallelized,
-then materialized with `to_empty()` and initialized with `init_weights()`.
+Architecture only. Parallelism is applied from outside (model/parallel/). The model is meant to
+be built on the meta device, parallelized, then materialized with `to_empty()` and initialized
+with `init_weights()`.
 """
 
 from __future__ import annotations
@@ -13,26 +17,73 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forgeline.configs.schema import ModelConfig
+from forgeline.configs.schema import ModelConfig, RopeScaling
 from forgeline.model.init import InitFn, canonical_name, init_param_
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x), computed in fp32, times the gain: w, or 1 + w with `offset` (Gemma, which also
+    applies the gain before casting back)."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
         self.eps = eps
+        self.offset = offset
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (normed * (1.0 + self.weight.float())).type_as(x)
         return normed.type_as(x) * self.weight
 
 
-def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """(max_seq_len, head_dim // 2, 2) table of cos and sin for rotary embeddings."""
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                     device=None) -> torch.Tensor:
+    """(head_dim // 2,) rotary frequencies, rescaled as `scaling` says (Hugging Face's
+    rope_type `linear` or `llama3`)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if scaling is None:
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths slowed down by `factor`, short ones kept, a blend between.
+    context = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelength > context / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    blend = (context / wavelength - low) / (high - low)
+    blended = (1 - blend) * slowed / scaling.factor + blend * slowed
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(medium, blended, slowed)
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None,
+               scaling: RopeScaling | None = None) -> torch.Tensor:
+    """(max_seq_len, head_dim // 2, 2) table of cos and sin for rotary embeddings."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling, device)
     angles = torch.outer(torch.arange(max_seq_len, device=device).float(), inv_freq)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap): x squashed smoothly into (-cap, cap) (Gemma 2)."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def sliding_window_mask(mask: torch.Tensor | None, start: int, T: int, window: int) -> torch.Tensor | None:
+    """`mask` (True: may attend; None: causal) narrowed to keys less than `window` positions
+    before their query, for T queries at positions start.. over the keys up to them; None where
+    the window covers the causal mask anyway."""
+    keys = mask.size(-1) if mask is not None else start + T
+    if keys <= window:
+        return mask
+    device = mask.device if mask is not None else None
+    queries, key_positions = torch.arange(start, start + T, device=device), torch.arange(keys, device=device)
+    near = key_positions[None, :] > queries[:, None] - window  # (T, S)
+    if mask is None:
+        return near & (key_positions[None, :] <= queries[:, None])
+    return mask & near
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor, layout: str = "interleaved") -> torch.Tensor:
@@ -93,64 +144,97 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: ModelConfig):
+    def __init__(self, shape: ModelConfig, window: int | None = None):
         super().__init__()
         self.n_heads = shape.n_heads
         self.n_kv_heads = shape.n_kv_heads
         self.head_dim = shape.head_dim
         self.rope_layout = shape.rope_layout
-        self.wq = nn.Linear(shape.dim, shape.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=False)
+        self.window = window
+        self.scale = (shape.query_pre_attn_scalar or shape.head_dim) ** -0.5
+        self.score_cap = shape.attn_logit_softcap
+        self.wq = nn.Linear(shape.dim, shape.n_heads * self.head_dim, bias=shape.qkv_bias)
+        self.wk = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=shape.qkv_bias)
+        self.wv = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=shape.qkv_bias)
         self.wo = nn.Linear(shape.n_heads * self.head_dim, shape.dim, bias=False)
+        if shape.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, shape.norm_eps, shape.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, shape.norm_eps, shape.norm_offset)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
                 layer: str = "", mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask` (B or 1, 1, T, S): True where a query may attend to a key; None: causal."""
         B, T, _ = x.shape
         # -1 instead of the head counts: under tensor parallelism each rank holds a slice.
         q = self.wq(x).view(B, T, -1, self.head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope, self.rope_layout), apply_rope(k, rope, self.rope_layout)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        gqa = self.n_heads != self.n_kv_heads
-        if mask is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        elif cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
+        if self.window is not None:
+            mask = sliding_window_mask(mask, 0 if cache is None else cache.length, q.size(2), self.window)
+        if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, H_kv, S, D): the past and these positions
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
+        out = self.attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        gqa = self.n_heads != self.n_kv_heads
+        if self.score_cap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                  scale=self.scale, enable_gqa=gqa)
+        # Soft-capped scores: no fused kernel applies them, so the scores are formed here.
+        if gqa:
+            k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+        scores = softcap(q @ k.transpose(-2, -1) * self.scale, self.score_cap)  # (B, H, T, S)
+        if mask is None:
+            mask = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.softmax(scores.float(), dim=-1).type_as(q) @ v
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """Gated: w2(act(w1 x) * w3 x), SwiGLU with silu, GeGLU with tanh-approximated gelu."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, activation: str = "silu"):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate = self.w1(x)
+        gate = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.w2(gate * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, shape: ModelConfig):
+    def __init__(self, shape: ModelConfig, layer: int):
         super().__init__()
-        self.attention_norm = RMSNorm(shape.dim, shape.norm_eps)
-        self.attention = Attention(shape)
-        self.ffn_norm = RMSNorm(shape.dim, shape.norm_eps)
-        self.feed_forward = FeedForward(shape.dim, shape.ffn_dim)
+        self.attention_norm = RMSNorm(shape.dim, shape.norm_eps, shape.norm_offset)
+        self.attention = Attention(shape, shape.window_of(layer))
+        self.ffn_norm = RMSNorm(shape.dim, shape.norm_eps, shape.norm_offset)
+        self.feed_forward = FeedForward(shape.dim, shape.ffn_dim, shape.activation)
+        if shape.sandwich_norms:
+            self.attention_out_norm = RMSNorm(shape.dim, shape.norm_eps, shape.norm_offset)
+            self.ffn_out_norm = RMSNorm(shape.dim, shape.norm_eps, shape.norm_offset)
+        else:
+            self.attention_out_norm = self.ffn_out_norm = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
                 layer: str = "", mask: torch.Tensor | None = None) -> torch.Tensor:
         # cache, layer and mask by keyword: tensor parallelism's PrepareModuleInput lays out the
         # positional inputs (x, rope) only.
-        x = x + self.attention(self.attention_norm(x), rope, cache=cache, layer=layer, mask=mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+        h = self.attention(self.attention_norm(x), rope, cache=cache, layer=layer, mask=mask)
+        x = x + (h if self.attention_out_norm is None else self.attention_out_norm(h))
+        h = self.feed_forward(self.ffn_norm(x))
+        return x + (h if self.ffn_out_norm is None else self.ffn_out_norm(h))
 
 
 class Transformer(nn.Module):
@@ -169,14 +253,22 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
         # A dict keyed by layer index, so pipeline stages can drop layers and keep the names
         # that checkpoints and initialization are keyed by.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(shape) for i in range(shape.n_layers)})
-        self.norm = RMSNorm(shape.dim, shape.norm_eps)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(shape, i) for i in range(shape.n_layers)})
+        self.norm = RMSNorm(shape.dim, shape.norm_eps, shape.norm_offset)
         self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
         if shape.tie_embeddings:
             self.tie_embeddings()
-        self.register_buffer(
-            "rope", rope_cache(shape.head_dim, shape.max_seq_len, shape.rope_theta), persistent=False
-        )
+        self.register_buffer("rope", self.rope_table(), persistent=False)
+        # Sliding-window layers with rotary frequencies of their own (Gemma 3) read this one.
+        self.register_buffer("rope_local", self.rope_table(local=True), persistent=False)
+
+    def rope_table(self, local: bool = False) -> torch.Tensor | None:
+        shape = self.shape
+        if local:
+            if shape.local_rope_theta is None:
+                return None
+            return rope_cache(shape.head_dim, shape.max_seq_len, shape.local_rope_theta)
+        return rope_cache(shape.head_dim, shape.max_seq_len, shape.rope_theta, scaling=shape.rope_scaling)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -195,7 +287,11 @@ class Transformer(nn.Module):
             same_document = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
             mask = (same_document & (index[:, None] >= index[None, :]))[:, None]  # (B, 1, T, T)
         h = self.hidden_states(tokens, cache, positions, mask)
-        return self.output(h) if self.output is not None else h  # (B, T, V)
+        return self.logits(h) if self.output is not None else h  # (B, T, V)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., C) final states -> (..., V) logits."""
+        return softcap(self.output(h), self.shape.final_logit_softcap)
 
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None,
                       positions: torch.Tensor | None = None,
@@ -207,19 +303,32 @@ class Transformer(nn.Module):
         Packed rows (several sequences per row; inference, without a cache) give each token's
         `positions` (B, T) within its sequence and the attention `mask` (B, 1, T, T): True where
         a query may attend to a key."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, C)
+        h = tokens
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)  # (B, T, C)
+            if self.shape.embedding_scale:
+                h = h * torch.tensor(self.shape.dim**0.5, dtype=h.dtype)
         T = h.size(1)
-        rope = self.rope
-        if positions is not None:
-            rope = self.rope[positions]  # (B, T, D/2, 2)
-        elif cache is not None:
-            rope = self.rope[cache.length:cache.length + T]
+        if cache is not None:
             cache.begin(T)
+            mask = cache.mask
+        ropes = {table: self.positioned(table, positions, cache, T) for table in ("rope", "rope_local")}
         for key, layer in self.layers.items():
-            h = layer(h, rope, cache=cache, layer=key, mask=mask)
+            local = self.rope_local is not None and self.shape.window_of(int(key)) is not None
+            h = layer(h, ropes["rope_local" if local else "rope"], cache=cache, layer=key, mask=mask)
         if cache is not None:
             cache.end(T)
         return self.norm(h) if self.norm is not None else h
+
+    def positioned(self, table: str, positions: torch.Tensor | None, cache: KVCache | None,
+                   T: int) -> torch.Tensor | None:
+        """Rotary table `table` (`rope` or `rope_local`) for these T tokens: each token's row of
+        `positions` (B, T) -> (B, T, D/2, 2), the rows after the cached positions, or the table
+        from position 0 (under sequence parallelism T here is a rank's share of the sequence)."""
+        rope = getattr(self, table)
+        if rope is None or (positions is None and cache is None):
+            return rope
+        return rope[positions] if positions is not None else rope[cache.length:cache.length + T]
 
     def tie_embeddings(self) -> None:
         """Make the output projection the embedding's matrix again: again after anything that
@@ -238,7 +347,9 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         """Fill the (non-persistent) buffers; call after `to_empty()`."""
-        self.rope.copy_(rope_cache(self.shape.head_dim, self.shape.max_seq_len, self.shape.rope_theta))
+        self.rope.copy_(self.rope_table())
+        if self.rope_local is not None:
+            self.rope_local.copy_(self.rope_table(local=True))
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -252,12 +363,14 @@ class Transformer(nn.Module):
             init_param_(param, self._init_rule(name), seed, name)
 
     def _init_rule(self, name: str) -> InitFn:
-        """Norm gains 1; embeddings N(0, 1); matrices truncated normal with std 0.02, the
-        residual-branch outputs (wo, w2) scaled down with depth (GPT-2 / OLMo style), and the
-        output projection with std dim**-0.5 -- also the embedding when it is the output
-        projection (tied)."""
+        """Norm gains 1 (stored as 0 where applied as 1 + w); biases 0; embeddings N(0, 1);
+        matrices truncated normal with std 0.02, the residual-branch outputs (wo, w2) scaled down
+        with depth (GPT-2 / OLMo style), and the output projection with std dim**-0.5 -- also the
+        embedding when it is the output projection (tied)."""
         if name.endswith("norm.weight"):
-            return lambda t, g: nn.init.ones_(t)
+            return lambda t, g: nn.init.zeros_(t) if self.shape.norm_offset else nn.init.ones_(t)
+        if name.endswith(".bias"):
+            return lambda t, g: nn.init.zeros_(t)
         if name == "tok_embeddings.weight" and not self.shape.tie_embeddings:
             return lambda t, g: nn.init.normal_(t, std=1.0, generator=g)
         if name in ("output.weight", "tok_embeddings.weight"):

@@ -62,13 +62,13 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 
 
 class LoraLinear(nn.Linear):
-    """A bias-free linear layer plus a low-rank update: x W^T + scale * (x A^T) B^T."""
+    """A linear layer plus a low-rank update: x W^T + b + scale * (x A^T) B^T. The bias, where
+    the family has one (Qwen2's q/k/v), is the base's and stays frozen like W."""
 
     def __init__(self, linear: nn.Linear, rank: int, scale: float):
-        if linear.bias is not None:
-            raise ValueError("LoRA targets forgeline's bias-free linear layers only")
-        super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         self.weight = linear.weight  # the base's parameter itself: on meta, or with its values
+        self.bias = linear.bias
         self.scale = scale
         like = {"device": linear.weight.device, "dtype": linear.weight.dtype}
         self.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, **like))  # (r, in)
@@ -76,7 +76,8 @@ class LoraLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The order peft computes in (x -> A -> B, then the scale): the same rounding.
-        return F.linear(x, self.weight) + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
+        update = F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
+        return F.linear(x, self.weight, self.bias) + update
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_a.shape[0]}, scale={self.scale}"
@@ -132,7 +133,7 @@ class AdapterColwiseParallel(ColwiseParallel):
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         _distribute(module, device_mesh, self.src_data_rank,
-                    {"weight": Shard(0), "lora_a": Replicate(), "lora_b": Shard(0)})
+                    {"weight": Shard(0), "bias": Shard(0), "lora_a": Replicate(), "lora_b": Shard(0)})
 
 
 class AdapterRowwiseParallel(RowwiseParallel):
@@ -165,8 +166,9 @@ def merge_lora(model: nn.Module) -> nn.Module:
         for attr, child in list(module.named_children()):
             if isinstance(child, LoraLinear):
                 child.weight.add_(child.lora_b @ child.lora_a, alpha=child.scale)
-                plain = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
-                plain.weight = child.weight
+                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                  device="meta")
+                plain.weight, plain.bias = child.weight, child.bias
                 setattr(module, attr, plain)
     return model
 

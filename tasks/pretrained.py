@@ -1,7 +1,7 @@
 """The pretrained base a run starts from (`model.init_from`), resolved in the launching process:
 its weights on local disk, its shape, its tokenizer and the sha256 of its weights.
 
-    a Hugging Face Llama directory      config.json, *.safetensors, tokenizer.json
+    a Hugging Face model directory      config.json, *.safetensors, tokenizer.json
     a .gguf file                        dequantized to fp32 safetensors by transformers once,
                                         cached under $FORGELINE_CACHE/bases (default
                                         ~/.cache/forgeline/bases) by the file's sha256
@@ -121,7 +121,8 @@ def resolve_base(cfg: Config) -> Base:
     if not path.exists() and HUB_NAME.match(uri) and not uri.startswith((".", "/")):
         return hf_base(uri, hub_base(uri))
     raise ConfigError(f"model.init_from={uri}: no such directory or .gguf file (expected a Hugging Face "
-                      "Llama directory, a .gguf file, a forgeline checkpoint step-* directory, "
+                      "model directory of a supported family, a .gguf file, a forgeline checkpoint "
+                      "step-* directory, "
                       "package:PACKAGE/PATH, models:/NAME@ALIAS, models:/NAME/VERSION or a hub name "
                       "org/name)")
 

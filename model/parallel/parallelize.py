@@ -48,10 +48,12 @@ def parallelize(model: Transformer, layout: ParallelConfig, mesh: DeviceMesh,
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
-    """Megatron-style tensor parallelism: q/k/v and w1/w3 split by output column, wo and w2 by
-    input row -- one collective per sub-layer. With sequence parallelism the norms and the
-    residual stream are sharded along the sequence (all-gather before attention/FFN,
-    reduce-scatter after). With loss parallelism the logits stay sharded over the vocabulary."""
+    """Megatron-style tensor parallelism: q/k/v (with their biases) and w1/w3 split by output
+    column, wo and w2 by input row -- one collective per sub-layer; every family's plan, since
+    a family's variations are modules the plan finds or not (q/k norms, sandwich norms). With
+    sequence parallelism the norms and the residual stream are sharded along the sequence
+    (all-gather before attention/FFN, reduce-scatter after). With loss parallelism the logits
+    stay sharded over the vocabulary."""
     residual = Shard(1) if sequence_parallel else Replicate()
     root_plan: dict[str, object] = {}
     if model.tok_embeddings is not None:
@@ -82,6 +84,11 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, l
             "feed_forward.w3": colwise(),
             "feed_forward.w2": rowwise(output_layouts=residual),
         }
+        if block.attention.q_norm is not None:
+            # Per-head norms see a rank's heads only (dimension 2 of (B, T, H, D)): their gains
+            # become replicated DTensors, so each rank's partial gradient is summed over tp.
+            plan |= {"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                     "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
         if sequence_parallel:
             plan |= {
                 "attention_norm": SequenceParallel(),
@@ -91,6 +98,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, l
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
                                                    desired_input_layouts=(Replicate(),)),
             }
+            if block.attention_out_norm is not None:  # sandwich norms: their outputs join the local residual
+                plan |= {"attention_out_norm": SequenceParallel(use_local_output=True),
+                         "ffn_out_norm": SequenceParallel(use_local_output=True)}
         parallelize_module(block, tp_mesh, plan)
     if has_adapters(model):  # SequenceParallel gives the norms new parameters, trainable
         freeze_base(model)

@@ -10,10 +10,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    GPT2Config,
     LlamaConfig,
     LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
+    Phi3Config,
+    PretrainedConfig,
     PreTrainedTokenizerFast,
 )
 
@@ -192,15 +193,16 @@ def test_half_rope_layout_is_transformers_rotate_half() -> None:
 
 
 @pytest.mark.parametrize("field, config", [
-    ("model_type", MistralConfig(**TINY)),
+    ("'gpt2' is not a family forgeline has \\(supported: llama, mistral, qwen2, qwen3, gemma2, "
+     "gemma3_text, phi3",
+     GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=64)),
     ("attention_bias", LlamaConfig(**TINY, attention_bias=True)),
     ("mlp_bias", LlamaConfig(**TINY, mlp_bias=True)),
-    ("head_dim", LlamaConfig(**TINY, head_dim=32)),
-    ("rope", LlamaConfig(**TINY, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    ("rope_type 'yarn'", LlamaConfig(**TINY, rope_scaling={"rope_type": "yarn", "factor": 2.0})),
+    ("partial_rotary_factor", Phi3Config(**TINY, pad_token_id=0, partial_rotary_factor=0.5)),
 ])
-def test_import_rejects_unsupported_configs(field: str, config: LlamaConfig, tmp_path: Path) -> None:
-    cls = MistralForCausalLM if isinstance(config, MistralConfig) else LlamaForCausalLM
-    hf_model = cls(config)
+def test_import_rejects_unsupported_configs(field: str, config: PretrainedConfig, tmp_path: Path) -> None:
+    hf_model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=field):
         import_hf(hf_model)
     hf_model.save_pretrained(tmp_path)  # from a directory: rejected from the config alone

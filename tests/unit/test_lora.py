@@ -57,10 +57,22 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def tiny_shape(tokenizer_dir: Path, rope_layout: str = "interleaved") -> ModelConfig:
+# Families whose deltas touch the adapted layers: Qwen2's q/k/v biases; Gemma 2's head width,
+# GeGLU, 1 + w and sandwich norms, scaled embeddings, soft-capping and sliding window.
+FAMILY_DELTAS = {
+    "llama": {},
+    "qwen2": dict(family="qwen2", qkv_bias=True),
+    "gemma2": dict(family="gemma2", attention_head_dim=24, activation="gelu_tanh", norm_offset=True,
+                   sandwich_norms=True, embedding_scale=True, query_pre_attn_scalar=24,
+                   attn_logit_softcap=5.0, final_logit_softcap=10.0, sliding_window=8, sliding_layers=[0],
+                   tie_embeddings=True),
+}
+
+
+def tiny_shape(tokenizer_dir: Path, rope_layout: str = "interleaved", family: str = "llama") -> ModelConfig:
     vocab_size = len(PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir)))
     return ModelConfig(vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
-                       max_seq_len=64, rope_layout=rope_layout)
+                       max_seq_len=64, rope_layout=rope_layout, **FAMILY_DELTAS[family])
 
 
 def built(shape: ModelConfig, lora: LoraConfig | None, seed: int = 0) -> Transformer:
@@ -87,6 +99,8 @@ def trained_looking(shape: ModelConfig) -> Transformer:
                 param.copy_(0.05 * torch.randn(param.shape, generator=generator))
             elif name.endswith(("wq.weight", "wk.weight")):
                 param.mul_(10)
+            elif name.endswith(".bias"):  # 0 at init: a bias left out of an export would not show
+                param.uniform_(-0.5, 0.5, generator=generator)
     return model.eval()
 
 
@@ -101,10 +115,12 @@ def sample(shape: ModelConfig) -> torch.Tensor:
     return torch.randint(0, shape.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
 
 
-@pytest.mark.parametrize("rope_layout", ["interleaved", "half"])
-def test_merged_export_equals_peft_adapter_on_base_export(rope_layout: str, tokenizer_dir: Path,
+@pytest.mark.parametrize("rope_layout, family", [("interleaved", "llama"), ("half", "llama"),
+                                                 ("half", "qwen2"), ("interleaved", "qwen2"),
+                                                 ("half", "gemma2")])
+def test_merged_export_equals_peft_adapter_on_base_export(rope_layout: str, family: str, tokenizer_dir: Path,
                                                           tmp_path: Path) -> None:
-    model = trained_looking(tiny_shape(tokenizer_dir, rope_layout))
+    model = trained_looking(tiny_shape(tokenizer_dir, rope_layout, family))
     tokens = sample(model.shape)
     with torch.no_grad():
         ours = model(tokens)
@@ -127,6 +143,7 @@ def test_merged_export_equals_peft_adapter_on_base_export(rope_layout: str, toke
           f"|ours - peft| = {(ours - peft_logits).abs().max().item():.2e}; "
           f"adapters move the logits by {(peft_logits - base_logits).abs().max().item():.2f}")
     assert (peft_logits - base_logits).abs().max() > 0.1  # the adapters matter: a wrong one shows
+    assert AutoModelForCausalLM.from_pretrained(merged_dir).config.model_type == family
     torch.testing.assert_close(merged_logits, peft_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours, peft_logits, atol=1e-5, rtol=1e-5)
 

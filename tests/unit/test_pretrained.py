@@ -9,7 +9,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 from tokenizers import Tokenizer, models
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 from forgeline.configs import Config, load_config
 from forgeline.configs.schema import ConfigError
@@ -22,11 +22,10 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             num_key_value_heads=2, vocab_size=64, max_position_embeddings=128)
 
 
-def save_base(directory: Path, config: LlamaConfig | None = None) -> Path:
+def save_base(directory: Path, config: PretrainedConfig | None = None) -> Path:
     torch.manual_seed(0)
     config = config or LlamaConfig(**TINY, tie_word_embeddings=True)
-    cls = MistralForCausalLM if isinstance(config, MistralConfig) else LlamaForCausalLM
-    cls(config).save_pretrained(directory)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     tokenizer = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "a": 1}, unk_token="a"))
     tokenizer.save(str(directory / "tokenizer.json"))
     return directory
@@ -83,11 +82,12 @@ def test_a_layout_the_base_does_not_fit_fails_naming_it(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("what, config", [
-    ("model_type", MistralConfig(**TINY)),
+    ("model_type 'gpt2' is not a family forgeline has \\(supported: llama, mistral, qwen2, qwen3, gemma2, "
+     "gemma3_text, phi3\\)", GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=64)),
     ("attention_bias", LlamaConfig(**TINY, attention_bias=True)),
-    ("rope", LlamaConfig(**TINY, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    ("rope_type 'dynamic'", LlamaConfig(**TINY, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
 ])
-def test_an_architecture_forgeline_cannot_represent_is_named(what: str, config: LlamaConfig,
+def test_an_architecture_forgeline_cannot_represent_is_named(what: str, config: PretrainedConfig,
                                                              tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=what):
         resolve_base(config_from(tmp_path, save_base(tmp_path / "base", config)))
