@@ -15,17 +15,21 @@
     forgeline reproduce RUN_ID [--out DIR] [--tolerance T]
     forgeline sync [--config PATH] [--set ...]   (what servers missed: tracking writes, flow states)
     forgeline lm-eval ARGS...   (lm-eval's own command line, with the `forgeline` model class)
+    forgeline generate MODEL [PROMPT | --prompts-file FILE] [--temperature T] [--top-p P] [...]
+    forgeline chat MODEL [--system TEXT] [--temperature T] [--top-p P] [...]   (stdin: /reset, /exit)
 
 Every verb takes -v/--verbose: every library's log lines and progress bars on the console
 (flows/console.py). Each verb is one function; `main` is the one place that turns an error into
 an exit status: 2 for input that cannot be used or a server that does not answer (reported
 before any work), 1 for work that failed. Work that
 finished while the Prefect API was gone ends 0 with a warning (`StateNotReported`). SIGTERM or
-SIGHUP stops the work in order and ends 128 + the signal's number (`Terminated`).
+SIGHUP -- and Ctrl-C, for the verbs that run stages -- stops the work in order and ends 128 + the
+signal's number (`Terminated`).
 """
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import json
 import logging
@@ -140,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(verbs)
     add_checkpoints_parser(verbs)
     add_registry_parsers(verbs)
+    add_talk_parsers(verbs)
     deploy = verbs.add_parser(
         "deploy", help="register the Prefect deployments of prefect.yaml",
         description="Register the deployments of prefect.yaml (the scheduled pipeline and one manual "
@@ -215,6 +220,38 @@ def add_registry_parsers(verbs: argparse._SubParsersAction) -> None:
                            help="largest absolute score difference that still matches (default 1e-6)")
 
 
+def add_talk_parsers(verbs: argparse._SubParsersAction) -> None:
+    model_help = ("a registered version or alias (models:/NAME@ALIAS, models:/NAME/VERSION, in the "
+                  "config's registry), a checkpoint step directory, a Hugging Face directory: what "
+                  "model.init_from takes")
+    generate = verbs.add_parser(
+        "generate", help="continue a prompt, or every prompt of a file, with a model",
+        description="Stream PROMPT's continuation to stdout as its tokens are made, or with --prompts-file "
+                    "write one JSON line per prompt with its `output`, rows decoded in batches.")
+    chat = verbs.add_parser(
+        "chat", help="talk to a model: one turn per line of stdin, replies streamed",
+        description="A conversation through the model's chat template, one user turn per line of stdin "
+                    "(a terminal or a pipe); each reply is streamed to stdout and ends at the template's "
+                    "end-of-turn token. /reset forgets the conversation; /exit or end of input ends it.")
+    for parser in (generate, chat):
+        parser.add_argument("model", metavar="MODEL", help=model_help)
+        add_config_arguments(parser)
+        parser.add_argument("--temperature", type=float, default=0.7, help="0: greedy (default: 0.7)")
+        parser.add_argument("--top-p", type=float, default=0.9,
+                            help="sample from the likeliest tokens holding this much probability "
+                                 "(default: 0.9)")
+        parser.add_argument("--max-new-tokens", type=int,
+                            help="most tokens a reply has (default: 256, at most half the model's context)")
+        parser.add_argument("--seed", type=int, help="the sampling seed (default: a random one)")
+    prompts = generate.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("prompt", nargs="?", metavar="PROMPT", help="the text to continue")
+    prompts.add_argument("--prompts-file", type=Path, metavar="FILE",
+                         help="one prompt per line, or JSON lines ({\"prompt\": ...} or "
+                              "{\"messages\": [...]}) for a .jsonl file")
+    generate.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (default: 16)")
+    chat.add_argument("--system", help="a system message opening the conversation")
+
+
 def add_checkpoints_parser(verbs: argparse._SubParsersAction) -> None:
     checkpoints = verbs.add_parser(
         "checkpoints", help="list, verify, roll back or export checkpoint versions",
@@ -273,7 +310,8 @@ def add_plan_parser(verbs: argparse._SubParsersAction) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     apply_environment_defaults()  # before anything imports Prefect, MLflow, datasets or transformers
-    with termination_signals_stop_the_work():
+    verb = next((arg for arg in argv if not arg.startswith("-")), None)  # -v may come first
+    with termination_signals_stop_the_work(ctrl_c=verb in CTRL_C_STOPS):
         try:
             return run_command(argv)
         except Terminated as stopped:
@@ -306,11 +344,13 @@ def run_command(argv: list[str]) -> int:
 
 
 TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+# The verbs whose work Ctrl-C (SIGINT) stops as SIGTERM does, in order and in one sentence.
+CTRL_C_STOPS = ("run", "stage", "reproduce")
 
 
 class Terminated(SystemExit):
     """A termination signal (SIGTERM: a Kubernetes eviction, `timeout`, systemd; SIGHUP: the
-    terminal went away), raised in the main thread as KeyboardInterrupt is for SIGINT, so that
+    terminal went away; SIGINT: Ctrl-C, for CTRL_C_STOPS), raised in the main thread, so that
     the work stops through its `finally` blocks and context managers -- torchrun's ranks get
     SIGTERM and train.preemption_grace_s to save their step (tasks/train/launch.py) -- and the
     interpreter exits normally: what Prefect and Dask started in this process, the temporary
@@ -329,8 +369,9 @@ class Terminated(SystemExit):
 
 
 @contextmanager
-def termination_signals_stop_the_work() -> Iterator[None]:
-    """Within the block, the first SIGTERM or SIGHUP raises `Terminated` in the main thread; later
+def termination_signals_stop_the_work(ctrl_c: bool = False) -> Iterator[None]:
+    """Within the block, the first SIGTERM or SIGHUP (with `ctrl_c`, SIGINT too:
+    `ctrl_c_reaches_this_process_alone`) raises `Terminated` in the main thread; later
     ones are only logged, so that a second signal does not cut short the stopping it started
     (the ranks' grace period, the servers' shutdown). The previous handlers come back after the
     block, unless a signal came: the process is then on its way out, and its exit (where Prefect
@@ -352,13 +393,35 @@ def termination_signals_stop_the_work() -> Iterator[None]:
         received.append(signal.Signals(signum))
         raise Terminated(signum)
 
-    previous = {signum: signal.signal(signum, terminate) for signum in TERMINATION_SIGNALS}
+    signals = TERMINATION_SIGNALS + ((signal.SIGINT,) if ctrl_c else ())
+    previous = {signum: signal.signal(signum, terminate) for signum in signals}
+    if ctrl_c:
+        ctrl_c_reaches_this_process_alone()
     try:
         yield
     finally:
         if not received:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            if ctrl_c:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def ctrl_c_reaches_this_process_alone() -> None:
+    """Ctrl-C sends SIGINT to the terminal's whole foreground process group, so also to Prefect's
+    temporary API server and a local Dask cluster, which would stop at once, before the work had
+    told them how it ended. SIGINT is blocked in this thread, and so in every thread and process
+    started from it from now on (a blocked signal stays blocked across fork and exec; uvicorn
+    installs a handler, but never unblocks it); one thread takes it and raises it in the main
+    thread, where the handler turns it into `Terminated`."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    threading.Thread(target=relay_sigint_to_the_main_thread, name="forgeline-ctrl-c", daemon=True).start()
+
+
+def relay_sigint_to_the_main_thread() -> None:
+    while True:
+        signal.sigwait({signal.SIGINT})
+        _thread.interrupt_main(signal.SIGINT)
 
 
 class WorkFailed(Exception):
@@ -580,10 +643,13 @@ def plan_layout(args: argparse.Namespace) -> int:
     result = plan_run_config(cfg, cluster, workload, args.params)
     print(format_report(result))
     if args.write_config:
-        planned = apply_plan(cfg, result)
+        planned, left_open = apply_plan(cfg, result)
         with open(args.write_config, "w") as f:
-            yaml.safe_dump(planned.model_dump(), f, sort_keys=False)
-        print(f"wrote {args.write_config}: run it with `forgeline run --config {args.write_config}`")
+            if left_open:  # said in the file too: it outlives this console
+                f.write(f"# {left_open}\n")
+            yaml.safe_dump(planned, f, sort_keys=False)
+        then = f"{left_open}, then run" if left_open else "run"
+        print(f"wrote {args.write_config}: {then} it with `forgeline run --config {args.write_config}`")
     return 0
 
 
@@ -693,6 +759,27 @@ def sync_pending(args: argparse.Namespace) -> int:
     return 1 if left else 0
 
 
+def generate_text(args: argparse.Namespace) -> int:
+    from forgeline.flows.chat import generate, generate_file, load_talker, read_prompts, sampling
+
+    talker = load_talker(load_config(args.config, args.overrides), args.model)
+    settings = sampling(talker, args.temperature, args.top_p, args.max_new_tokens, args.seed)
+    if args.prompts_file:
+        generate_file(talker, settings, read_prompts(args.prompts_file), sys.stdout, args.batch_size)
+    else:
+        generate(talker, settings, args.prompt, sys.stdout)
+    return 0
+
+
+def chat_with_model(args: argparse.Namespace) -> int:
+    from forgeline.flows.chat import chat, load_talker, sampling, user_lines
+
+    talker = load_talker(load_config(args.config, args.overrides), args.model)
+    chat(talker, sampling(talker, args.temperature, args.top_p, args.max_new_tokens, args.seed),
+         user_lines(), sys.stdout, args.system)
+    return 0
+
+
 def run_lm_eval(lm_eval_args: list[str]) -> int:
     """lm-eval 0.4 has no plugin entry point for model classes: register ours, then hand its
     command line every argument. Offline by default like the rest of forgeline; the eval stage's
@@ -711,6 +798,7 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "config": show_config,
     "plan": plan_layout, "checkpoints": manage_checkpoints, "promote": promote_version,
     "compare": compare_runs, "reproduce": reproduce_run, "deploy": deploy_flows, "sync": sync_pending,
+    "generate": generate_text, "chat": chat_with_model,
 }
 
 
