@@ -142,10 +142,14 @@ def judge(comparison: dict, champion_dimensions: list[str], max_regression: floa
     if overall_decided:
         return Verdict(PROMOTED, [f"{overall} is above the margin {margin:g} ({evidence})"])
     better = improvements(comparison["dimensions"], corrected)
-    if better and margin <= 0 and not worse_dimensions(comparison["dimensions"], corrected):
+    worse = worse_dimensions(comparison["dimensions"], corrected)
+    if better and margin <= 0 and not worse:
         return Verdict(PROMOTED, [*better, "no dimension is worse"])
-    return Verdict(INCONCLUSIVE, [f"{overall} holds the margin {margin:g} ({evidence}); no dimension "
-                                  "decided"])
+    held = f"{overall} holds the margin {margin:g} ({evidence})"
+    if better or worse:  # a trade-off within the tolerance, or a gain short of a positive margin
+        return Verdict(INCONCLUSIVE, [held, *better, *(f"dimension {name} is worse, within the tolerance"
+                                                       for name in worse)])
+    return Verdict(INCONCLUSIVE, [f"{held}; no dimension decided"])
 
 
 def worse_dimensions(dimensions: dict[str, dict], corrected: dict[str, float]) -> list[str]:
