@@ -81,9 +81,8 @@ def test_a_tie_of_two_models_with_the_same_accuracy_is_inconclusive() -> None:
 
 
 def test_pure_noise_is_inconclusive_in_most_draws() -> None:
-    """Two models of one true accuracy, drawn 100 times: the gate promotes about 2.5 % of them
-    (the overall interval's one-sided error), rejects about 2.5 % per dimension (a dimension's),
-    and calls the rest inconclusive."""
+    """Two models of one true accuracy, drawn 100 times: the gate rejects or promotes at most 5 % of
+    them together (its tests corrected together) and calls the rest inconclusive."""
     outcomes = [verdict_of(draws(f"b{i}", CHAMPION), draws(f"a{i}", CHAMPION))[0].outcome for i in range(100)]
     assert outcomes.count(INCONCLUSIVE) >= 90
     assert outcomes.count(PROMOTED) <= 6
