@@ -28,6 +28,8 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import os
+import re
 from collections.abc import Callable, Iterable
 from importlib import metadata, resources
 from itertools import chain, zip_longest
@@ -219,6 +221,35 @@ def render_suite(out_dir: Path, data_dir: Path) -> Path:
         elif template.name.endswith(".py"):
             (out_dir / template.name).write_text(template.read_text())
     return out_dir
+
+
+LM_EVAL_INCLUDE = re.compile(r"^include:\s*(\S+)\s*$", re.MULTILINE)
+HOOK_MODULE = re.compile(r"!function\s+(\w+)\.\w+")  # `!function utils.process_docs`: utils.py beside
+
+
+def included_lm_eval_files() -> dict[str, str]:
+    """The files of the installed lm-eval that the suite's templates include -- its task YAMLs,
+    transitively, and the hook modules they name -- by the sha256 of their contents, named from
+    site-packages (`lm_eval/tasks/arc/arc_easy.yaml`): the prompts and metrics of those tasks are
+    theirs, and a local edit or a reinstall changes them under the same lm-eval version."""
+    tasks_dir = Path(lm_eval.__file__).parent / "tasks"
+    templates = resources.files("forgeline.eval").joinpath("tasks").iterdir()
+    todo = [Path(Template(include).safe_substitute(LM_EVAL_TASKS=str(tasks_dir)))
+            for template in templates if template.name.endswith(".yaml")
+            for include in LM_EVAL_INCLUDE.findall(template.read_text())]
+    hashes: dict[str, str] = {}
+    while todo:
+        path = Path(os.path.normpath(todo.pop()))  # `..` collapsed, links kept: named as imported
+        name = str(path.relative_to(tasks_dir.parent.parent))
+        if name in hashes:
+            continue
+        content = path.read_bytes()
+        hashes[name] = hashlib.sha256(content).hexdigest()
+        if path.suffix != ".py":
+            text = content.decode()
+            todo += [path.parent / include for include in LM_EVAL_INCLUDE.findall(text)]
+            todo += [path.parent / f"{module}.py" for module in HOOK_MODULE.findall(text)]
+    return dict(sorted(hashes.items()))
 
 
 def suite_task_manager(suite_dir: Path) -> TaskManager:

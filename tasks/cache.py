@@ -12,7 +12,10 @@ A stage's inputs are what its record (tasks/stage.py), and so its dvc.yaml entry
   dvc.yaml's always-changed `sources` stage), by path and md5;
 - `base`: the pretrained base of `model.init_from` by content (data, train and eval), resolved
   on every run as dvc.yaml's always-changed `base` stage writes it to the stamp they depend on;
-- `external` inputs DVC does not see (the register stage: the model registry).
+- `external` inputs DVC does not see (the register stage: the model registry; the data stage:
+  the tokenizer and chat template files the config names by path, by content);
+- `packages`: the installed version of each third-party distribution its code imports, and
+  `installed files`: the files of installed packages it reads (lm-eval's task YAMLs), by content.
 Its outputs are verified as DVC verifies them: the md5 of each output the record lists.
 
 When a stage finishes, a stamp next to its output directory, `<out_dir>.stage.json`, records
@@ -41,6 +44,8 @@ Result = TypeVar("Result")
 
 CACHE_TAG = "forgeline.cache"
 CACHE_SOURCE_TAG = "forgeline.cache.source_run"
+PACKAGES = "packages"  # the installed version of each third-party distribution its code imports
+INSTALLED_FILES = "installed files"  # files of installed packages it reads (lm-eval's task YAMLs)
 
 
 def stamp_path(stage: Stage, cfg: Config) -> Path:
@@ -52,9 +57,12 @@ def stage_inputs(stage: Stage, cfg: Config) -> dict[str, Any]:
     inputs: dict[str, Any] = {
         "config": cfg.section_hash(*stage.sections),
         "code": stage.code_hash(),
+        PACKAGES: stage.package_versions(),
         "upstream": {_dep_path(read.stage, read.path, cfg): dvc_hash(_dep_path(read.stage, read.path, cfg))
                      for read in stage.reads},
     }
+    if installed := stage.installed_files():
+        inputs[INSTALLED_FILES] = installed
     if stage.params:
         inputs["params"] = {key: cfg.value(key) for key in stage.params}
     if stage.snapshot is not None:
@@ -116,7 +124,8 @@ def why_not_cached(stage: Stage, cfg: Config, inputs: dict[str, Any], stamp: Sta
     """Why the stage has to run (None: it may be skipped)."""
     if stamp is None:
         return "no record of an earlier run"
-    changed = [key for key in inputs if stamp.inputs.get(key) != inputs[key]]
+    changed = [what_changed(key, stamp.inputs.get(key), now) for key, now in inputs.items()
+               if stamp.inputs.get(key) != now]
     if changed:
         return f"changed: {', '.join(changed)}"
     if output_hashes(stage, cfg) != stamp.outputs:
@@ -124,6 +133,29 @@ def why_not_cached(stage: Stage, cfg: Config, inputs: dict[str, Any], stamp: Sta
     if stage.still_valid is not None:
         return resolve(stage.still_valid)(cfg, stamp.result)
     return None
+
+
+def what_changed(key: str, before: Any, now: Any) -> str:
+    """The input that changed and, for third-party code and external inputs, what in it:
+    `packages (transformers 5.25.0 -> 5.26.0)`, `installed files (lm_eval/tasks/arc/arc_easy.yaml)`,
+    `external (data.chat_template)`."""
+    if before is None:
+        return f"{key} (not recorded by the earlier run)"
+    if key == PACKAGES:
+        moved = [f"{name} {_version(before, name)} -> {_version(now, name)}"
+                 for name in sorted(before.keys() | now.keys())
+                 if _version(before, name) != _version(now, name)]
+        return f"{key} ({', '.join(moved)})"
+    if key in (INSTALLED_FILES, "external"):
+        edited = sorted(name for name in before.keys() | now.keys() if before.get(name) != now.get(name))
+        return f"{key} ({', '.join(edited)})"
+    return key
+
+
+def _version(versions: dict[str, str | None], name: str) -> str:
+    if name not in versions:
+        return "not imported"
+    return versions[name] or "not installed"
 
 
 def decide(stage: Stage, cfg: Config) -> str | None:

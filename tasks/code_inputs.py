@@ -11,6 +11,11 @@ Files a module reads from the package rather than imports are listed here, by mo
 (PACKAGE_DATA): a stage that imports the module depends on every file under them, and on what
 the Python files among them import.
 
+Third-party code counts by version: the distributions that provide the modules from outside
+forgeline and the standard library that those files import (their import statements, not what
+those packages import in turn), each by its installed version. Files of installed packages that a
+module reads, as the eval suite reads lm-eval's task YAMLs, count by content (INSTALLED_DATA).
+
 Paths are relative to the checkout (PACKAGE_ROOT), as dvc.yaml names them. This module is light
 (the standard library only): the CLI imports the records, which derive their code from it.
 """
@@ -19,7 +24,11 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib
+import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 PACKAGE = "forgeline"
@@ -32,6 +41,13 @@ PACKAGE_DATA = {
 """Files and folders of the package that a module reads, by module name, relative to the
 checkout. A module that opens a file of the package (importlib.resources, Path(__file__)) must
 be listed: tests/unit/test_code_inputs.py fails on one that is not."""
+INSTALLED_DATA = {
+    # The suite's templates include lm-eval's own task YAMLs (prompts, metrics), which a local edit
+    # or a reinstall can change under the same lm-eval version.
+    "forgeline.eval.suite": "forgeline.eval.suite:included_lm_eval_files",
+}
+"""Files of installed third-party packages that a module reads, by module name: a reference to a
+function () -> {name: sha256} of their contents."""
 
 
 def module_file(module: str) -> Path | None:
@@ -50,6 +66,17 @@ def imports_of(path: Path, module: str) -> frozenset[str]:
     """The names of forgeline modules the source of `module` at `path` imports or starts. A
     name may be a module's attribute (`from forgeline.x import name`): names that are no module
     are dropped by `code_files`."""
+    return frozenset(name for name in _all_imports_of(path, module) if name.split(".")[0] == PACKAGE)
+
+
+def third_party_imports_of(path: Path, module: str) -> frozenset[str]:
+    """The top-level names of the modules from outside forgeline and the standard library that
+    the source at `path` imports (`transformers`, `yaml`)."""
+    return frozenset(top for name in _all_imports_of(path, module)
+                     if (top := name.split(".")[0]) and top != PACKAGE and top not in sys.stdlib_module_names)
+
+
+def _all_imports_of(path: Path, module: str) -> frozenset[str]:
     stat = path.stat()
     return _imports_of(str(path), module, stat.st_mtime_ns, stat.st_size)
 
@@ -70,7 +97,7 @@ def _imports_of(path: str, module: str, mtime_ns: int, size: int) -> frozenset[s
             names.update(started_modules(node.elts))
         elif isinstance(node, ast.Call) and imported_by_name(node):
             names.add(node.args[0].value)
-    return frozenset(name for name in names if name.split(".")[0] == PACKAGE)
+    return frozenset(names)
 
 
 def absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
@@ -107,22 +134,81 @@ def code_files(entry_points: Iterable[str]) -> tuple[str, ...]:
     """Every file a stage runs or reads from the package, sorted: the modules of its entry points
     (`module:attribute` references or module names) and what they import or start, transitively,
     with the files they read (PACKAGE_DATA)."""
+    return tuple(sorted(str(path.relative_to(PACKAGE_ROOT)) for path in reached(tuple(entry_points)).files))
+
+
+@dataclass(frozen=True)
+class Reached:
+    """What a stage's entry points reach, transitively."""
+
+    files: frozenset[Path]
+    """The package's files it runs or reads."""
+    modules: frozenset[str]
+    """The package's modules among them."""
+    third_party: frozenset[str]
+    """The top-level names of the modules from outside forgeline and the standard library that
+    those files import."""
+
+
+def reached(entry_points: tuple[str, ...]) -> Reached:
     todo = [reference.partition(":")[0] for reference in entry_points]
     seen: set[str] = set()
     files: set[Path] = set()
+    third_party: set[str] = set()
+
+    def visit(path: Path, module: str) -> None:
+        files.add(path)
+        todo.extend(imports_of(path, module))
+        third_party.update(third_party_imports_of(path, module))
+
     while todo:
         for module in with_packages(todo.pop()):
             if module in seen or (path := module_file(module)) is None:
                 continue
             seen.add(module)
-            files.add(path)
-            todo.extend(imports_of(path, module))
+            visit(path, module)
             for data in PACKAGE_DATA.get(module, ()):
                 for read in package_files(PACKAGE_ROOT / data):
-                    files.add(read)
                     if read.suffix == ".py":  # loaded as a module of its own: what it imports
-                        todo.extend(imports_of(read, read.stem))
-    return tuple(sorted(str(path.relative_to(PACKAGE_ROOT)) for path in files))
+                        visit(read, read.stem)
+                    else:
+                        files.add(read)
+    # The modules the package's own hook files import by their names (forgeline_code imports
+    # forgeline_safety beside it) are files of the package, no one else's.
+    local = {path.stem for path in files}
+    return Reached(frozenset(files), frozenset(seen), frozenset(third_party - local))
+
+
+def installed_versions(import_names: Iterable[str]) -> dict[str, str | None]:
+    """The installed version of each distribution that provides one of `import_names`, by
+    distribution name (`yaml` -> `{"PyYAML": "6.0.2"}`; torch's names its build, `2.13.0+cpu`); a
+    name no installed distribution provides is recorded as None, so installing it counts too."""
+    providers = _distributions_by_import_name()
+    versions: dict[str, str | None] = {}
+    for name in sorted(import_names):
+        for distribution in providers.get(name, ()):
+            versions[distribution] = metadata.version(distribution)
+        if name not in providers:
+            versions[name] = None
+    return versions
+
+
+@functools.lru_cache(maxsize=1)
+def _distributions_by_import_name() -> dict[str, list[str]]:
+    """Read once per process (it scans every installed distribution's file list, ~1 s): what
+    this process imports is what was installed when it started."""
+    return metadata.packages_distributions()
+
+
+def installed_files(modules: Iterable[str]) -> dict[str, str]:
+    """The sha256 of each file of an installed package that one of `modules` reads
+    (INSTALLED_DATA), by name."""
+    hashes: dict[str, str] = {}
+    for module in sorted(modules):
+        if module in INSTALLED_DATA:
+            reference, _, function = INSTALLED_DATA[module].partition(":")
+            hashes |= getattr(importlib.import_module(reference), function)()
+    return hashes
 
 
 def package_files(root: Path) -> list[Path]:

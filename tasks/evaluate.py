@@ -8,7 +8,8 @@ mean over dimensions (eval/dimensions.py says which metric, chance and best each
 Every score has its standard error and 95 % interval, from each item's value (eval/scores.py),
 and the eval states the smallest overall change its items can detect (detectable_overall).
 
-A run that starts from a pretrained base (`model.init_from`) has the base evaluated too, on the
+A run that starts from a pretrained base (`model.init_from`) has the base evaluated too -- the
+base the train stage recorded it trained from, not what `model.init_from` resolves to now -- on the
 same items (the same suite, limits and few-shot examples): its scores sit beside the run's in
 every output -- `base/...` and `versus_base/...` (the run's score minus the base's, paired on
 the shared items) in
@@ -68,7 +69,7 @@ from forgeline.model.checkpoint.manager import CheckpointError, verify_checkpoin
 from forgeline.model.fileio import sha256_file
 from forgeline.model.inference import checkpoint_shape
 from forgeline.tasks.atomic import write_text_atomic
-from forgeline.tasks.pretrained import Base, forgeline_cache, resolve_base
+from forgeline.tasks.pretrained import Base, forgeline_cache, recorded_base
 from forgeline.tasks.tracking import RunTracker
 from forgeline.tasks.train.job import read_train_summary
 
@@ -320,7 +321,8 @@ class EvaluatedItems:
 
 def evaluate_model(cfg: Config) -> EvalResult:
     plan = plan_tasks(cfg.eval)
-    checkpoint = Path(read_train_summary(cfg).checkpoint)
+    trained = read_train_summary(cfg)
+    checkpoint = Path(trained.checkpoint)
     problems = verify_checkpoint(checkpoint)
     if problems:
         raise CheckpointError(f"trained checkpoint {checkpoint} is not usable: {'; '.join(problems)}")
@@ -335,8 +337,8 @@ def evaluate_model(cfg: Config) -> EvalResult:
     suite = suite_fingerprint(suite_dir, data_dir)
     suite_record = {"fingerprint": suite, "plan": plan_record(plan), "scoring": scoring_record(model_args)}
     items = {"suite": suite_record, "model": scored.items_record(plan)}
-    if cfg.model.init_from:
-        base = resolve_base(cfg)
+    if trained.base is not None:
+        base = recorded_base(trained.base)
         base_scored = cached_scores(
             {"base": base.sha256}, f"the base {base.uri}",
             {"checkpoint" if base.is_checkpoint else "hf": str(base.weights)} | scoring.model_args(),

@@ -48,6 +48,11 @@ CACHE_ENV = "FORGELINE_CACHE"
 REGISTRY_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")
 PACKAGE_PATH = re.compile(r"^package:(?P<package>[A-Za-z_]\w*)/(?P<path>.+)$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json")
+"""What AutoTokenizer.from_pretrained reads of a tokenizer directory (transformers 5), with its
+named templates (CHAT_TEMPLATES_DIR/NAME.jinja)."""
+CHAT_TEMPLATES_DIR = "additional_chat_templates"
 # A model version's registration state (tasks/register.py): `incomplete` from its creation until
 # its tags and the `candidate` alias are set, then `complete`, set last. Versions registered before
 # forgeline recorded it have no such tag, and were registered whole: complete.
@@ -77,10 +82,21 @@ class Base:
     def tokenizer_sha256(self) -> str:
         return sha256_file(self.tokenizer / "tokenizer.json")
 
+
     def lineage(self) -> dict[str, str]:
         """What checkpoints and MLflow record of it."""
         record = {"uri": self.uri, "path": str(self.weights.resolve()), "weights_sha256": self.sha256}
         return record | ({"model_version": self.model_version} if self.model_version else {})
+
+
+def tokenizer_files(directory: Path) -> dict[str, str]:
+    """The sha256 of each file of the tokenizer in `directory` that transformers reads, by name:
+    the special tokens and the chat template the data stage renders conversations with are in
+    tokenizer_config.json and chat_template.jinja, beside tokenizer.json."""
+    named = [directory / name for name in TOKENIZER_FILES]
+    templates = sorted((directory / CHAT_TEMPLATES_DIR).glob("*.jinja"))
+    return {str(path.relative_to(directory)): sha256_file(path)
+            for path in named + templates if path.is_file()}
 
 
 def unchanged_file_sha256(path: Path) -> str:
@@ -129,14 +145,34 @@ def resolve_base(cfg: Config) -> Base:
 
 def base_identity(cfg: Config) -> dict:
     """What a stage that computes from the base depends on: `model.init_from` and, by content,
-    what it resolves to now -- the sha256 of its weights and of its tokenizer, and its shape. A
-    moved registry alias, a directory rewritten in place or another GGUF file at the path change
-    it; the same base gives the same identity wherever it was fetched to."""
+    what it resolves to now -- the sha256 of its weights and of each file of its tokenizer (its
+    chat template too), and its shape. A moved registry alias, a directory rewritten in place or
+    another GGUF file at the path change it; the same base gives the same identity wherever it
+    was fetched to."""
     if not cfg.model.init_from:
         return {"init_from": None}
     base = resolve_base(cfg)
-    return {"init_from": base.uri, "weights_sha256": base.sha256, "tokenizer_sha256": base.tokenizer_sha256,
-            "shape": base.shape.model_dump(mode="json")}
+    return {"init_from": base.uri, "weights_sha256": base.sha256,
+            "tokenizer": tokenizer_files(base.tokenizer), "shape": base.shape.model_dump(mode="json")}
+
+
+def recorded_base(lineage: dict) -> Base:
+    """The base a run recorded it started from (Base.lineage), read where it was read then and
+    checked against the weights' sha256 recorded: not what `model.init_from` resolves to now,
+    which a moved alias or another file at the path may have changed since."""
+    uri, path = lineage["uri"], Path(lineage["path"])
+    rerun = ("rerun the train stage (`forgeline stage train`), which starts from the base that "
+             "model.init_from names now")
+    if not path.exists():
+        raise ConfigError(f"the base {uri} the run trained from is gone from {path}: {rerun}")
+    if (path / MANIFEST_NAME).is_file():
+        base = checkpoint_base(uri, path)
+    else:
+        base = hf_base(uri, path, lineage.get("model_version"))
+    if base.sha256 != lineage["weights_sha256"]:
+        raise ConfigError(f"the base {uri} the run trained from was rewritten at {path} (weights sha256 "
+                          f"{lineage['weights_sha256'][:12]} then, {base.sha256[:12]} now): {rerun}")
+    return base
 
 
 def package_path(uri: str, match: re.Match) -> Path:

@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from forgeline.configs import Config
-from forgeline.tasks.code_inputs import PACKAGE_ROOT, code_files, collapsed
+from forgeline.tasks.code_inputs import (
+    PACKAGE_ROOT,
+    code_files,
+    collapsed,
+    installed_files,
+    installed_versions,
+    reached,
+)
 
 
 def resolve(reference: str) -> Any:
@@ -205,6 +212,15 @@ class Stage:
             digest.update(name.encode() + b"\0" + (PACKAGE_ROOT / name).read_bytes())
         return digest.hexdigest()
 
+    def package_versions(self) -> dict[str, str | None]:
+        """The installed version of each third-party distribution its code imports: the
+        third-party part of its cache key (tasks/code_inputs.py)."""
+        return installed_versions(reached(self.entry_points).third_party)
+
+    def installed_files(self) -> dict[str, str]:
+        """The sha256 of each installed package's file its code reads (lm-eval's task YAMLs)."""
+        return installed_files(reached(self.entry_points).modules)
+
     def done_marker(self, cfg: Config) -> Path:
         return self.out_dir(cfg) / self.done
 
@@ -255,6 +271,7 @@ STAGES = (
         function="forgeline.tasks.data.build:build_stage",
         record="forgeline.tasks.data.build:record_data",
         preflight="forgeline.tasks.data.build:preflight_tokenizer",
+        external="forgeline.tasks.data.build:files_named_by_path",  # a tokenizer, a chat template
         reads_base=True,  # its tokenizer, by content
         snapshot=Snapshot(
             name="sources",

@@ -68,7 +68,7 @@ from forgeline.tasks.data.snapshot import (
     take_snapshot,
 )
 from forgeline.tasks.data.sources import preflight_sources
-from forgeline.tasks.pretrained import resolve_base
+from forgeline.tasks.pretrained import resolve_base, tokenizer_files
 from forgeline.tasks.stage import stage_named
 from forgeline.tasks.tracking import DATA_VERSION_TAG, DATASET_NAME, RAW_VERSION_TAG, RunTracker, dvc_hash
 
@@ -429,6 +429,21 @@ def tokenizer_source(cfg: Config) -> Path | None:
     if cfg.model.init_from:
         return resolve_base(cfg).tokenizer / "tokenizer.json"
     return None
+
+
+def files_named_by_path(cfg: Config) -> dict[str, dict[str, str] | str | None]:
+    """The files outside the repository that the config names by path, by content (the data
+    stage's cache key; DVC sees only the paths): data.tokenizer_path's tokenizer -- its chat
+    template and special tokens too -- and a data.chat_template .jinja file (None: missing)."""
+    named: dict[str, dict[str, str] | str | None] = {}
+    if cfg.data.tokenizer_path:
+        path = Path(cfg.data.tokenizer_path)
+        named["data.tokenizer_path"] = tokenizer_files(path) if path.is_dir() else (
+            tokenizer_files(path.parent) | ({path.name: sha256_file(path)} if path.is_file() else {}))
+    if cfg.data.chat_template and cfg.data.chat_template.endswith(".jinja"):
+        path = Path(cfg.data.chat_template)
+        named["data.chat_template"] = sha256_file(path) if path.is_file() else None
+    return named
 
 
 def data_result(out_dir: Path, manifest: dict, reused: bool) -> DataResult:

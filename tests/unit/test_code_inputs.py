@@ -10,11 +10,20 @@ import json
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+import torch
 
-from forgeline.tasks.code_inputs import PACKAGE_DATA, code_files, collapsed, imports_of
+from forgeline.tasks.code_inputs import (
+    PACKAGE_DATA,
+    code_files,
+    collapsed,
+    imports_of,
+    installed_versions,
+    third_party_imports_of,
+)
 from forgeline.tasks.stage import BASE, STAGE_NAMES, STAGES, stage_named
 from tests.conftest import REPO_ROOT
 
@@ -146,3 +155,39 @@ def test_a_byte_in_a_helper_module_changes_the_key_of_each_stage_that_runs_it(tm
     touch(package / "configs" / "schema.py")  # imported by every stage
     shared = code_hashes(package)
     assert {name for name in last if shared[name] != last[name]} == set(STAGE_NAMES)
+
+
+def test_the_third_party_modules_a_file_imports_are_read_from_its_source(tmp_path: Path) -> None:
+    source = tmp_path / "job.py"
+    source.write_text(
+        "from __future__ import annotations\n"
+        "import json, os.path\n"
+        "import transformers.models\n"
+        "from yaml import safe_load\n"
+        "from forgeline.tasks import atomic\n"
+        "from . import sibling\n"
+        "def run():\n"
+        "    import datasketch\n")
+    assert third_party_imports_of(source, "forgeline.tasks.job") == {"transformers", "yaml", "datasketch"}
+
+
+def test_a_stage_keys_the_installed_version_of_each_distribution_its_code_imports() -> None:
+    data, eval_ = stage_named("data").package_versions(), stage_named("eval").package_versions()
+    assert {"datasketch", "tokenizers", "transformers", "PyYAML"} <= set(data)  # yaml is PyYAML's
+    assert {"lm_eval", "transformers", "tokenizers"} <= set(eval_) and "datasketch" not in eval_
+    assert eval_["transformers"] == metadata.version("transformers")
+    assert eval_["torch"] == torch.__version__  # its build too: 2.13.0+cpu, or +cu128
+
+
+def test_an_import_no_installed_distribution_provides_is_recorded_as_absent() -> None:
+    assert installed_versions({"no_such_module_anywhere", "yaml"}) == {
+        "no_such_module_anywhere": None, "PyYAML": metadata.version("PyYAML")}
+
+
+def test_the_eval_suite_keys_the_lm_eval_task_files_it_includes_by_content() -> None:
+    files = stage_named("eval").installed_files()
+    # forgeline_arc_challenge includes arc_challenge.yaml, which includes arc_easy.yaml beside it;
+    # hellaswag's YAML names its hook module (`!function utils.process_docs`).
+    assert {"lm_eval/tasks/arc/arc_easy.yaml", "lm_eval/tasks/arc/arc_challenge.yaml",
+            "lm_eval/tasks/hellaswag/utils.py"} <= set(files)
+    assert stage_named("data").installed_files() == {}

@@ -15,7 +15,7 @@ from forgeline.configs import Config, load_config
 from forgeline.configs.schema import ConfigError
 from forgeline.model.fileio import sha256_file
 from forgeline.tasks import pretrained
-from forgeline.tasks.pretrained import check_data_tokenizer, resolve_base, with_base
+from forgeline.tasks.pretrained import check_data_tokenizer, recorded_base, resolve_base, with_base
 from tests.conftest import debug_config
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -173,3 +173,27 @@ def test_the_weights_are_hashed_once_until_they_change(tmp_path: Path,
     assert resolve_base(cfg).sha256 == first and len(hashed) == 1  # the one model.safetensors
     LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True)).save_pretrained(tmp_path / "base")
     assert resolve_base(cfg).sha256 != first and len(hashed) == 2
+
+
+def test_eval_compares_with_the_base_the_run_trained_from_after_the_reference_moved(tmp_path: Path) -> None:
+    """model.init_from names a link that moves from base A to base B after training, as an alias
+    moves: the base recorded by train (its lineage) is still A; A rewritten in place is refused."""
+    first = save_base(tmp_path / "a")
+    torch.manual_seed(1)
+    second = tmp_path / "b"
+    LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True)).save_pretrained(second)
+    (second / "tokenizer.json").write_bytes((first / "tokenizer.json").read_bytes())
+    alias = tmp_path / "current"
+    alias.symlink_to(first)
+    cfg = config_from(tmp_path, alias)
+    trained_from = resolve_base(cfg).lineage()  # what train records
+
+    alias.unlink()
+    alias.symlink_to(second)
+    assert resolve_base(cfg).weights.resolve() == second
+    base = recorded_base(trained_from)
+    assert (base.weights, base.sha256) == (first, trained_from["weights_sha256"])
+
+    LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True)).save_pretrained(first)
+    with pytest.raises(ConfigError, match=rf"the base {alias} the run trained from was rewritten at {first}"):
+        recorded_base(trained_from)

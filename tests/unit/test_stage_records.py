@@ -7,13 +7,19 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib import metadata
 from pathlib import Path
 
+import lm_eval
 import pytest
 import torch
 import yaml
 
-from forgeline.configs import load_config
+from forgeline.configs import Config, load_config
 from forgeline.flows.cli import build_parser, main
 from forgeline.tasks.stage import (
     BASE,
@@ -94,7 +100,7 @@ def test_the_cache_key_is_the_records_inputs(tmp_path: Path) -> None:
                                          f"{cfg.eval.out_dir}/metrics.json"}
     assert register["external"]["tracking_uri"].startswith("sqlite:///")
     data = stage_inputs(stage_named("data"), cfg)
-    assert set(data) == {"config", "code", "upstream", "sources", "params", "base"}
+    assert set(data) == {"config", "code", "packages", "upstream", "sources", "params", "base", "external"}
     # The data stage also reads model.init_from (the base's tokenizer), no other model key.
     base = save_base(tmp_path / "base")
     assert stage_inputs(stage_named("data"), debug_config(tmp_path, f"model.init_from={base}")) != data
@@ -169,3 +175,108 @@ def test_a_fine_tuning_configs_dvc_yaml_has_sft_in_place_of_train(capsys: pytest
     assert stages["base"]["cmd"] == "forgeline stage sft --config configs/smollm2-sft.yaml --base-only"
     assert "sft" in stages["sft"]["params"][0]["configs/smollm2-sft.yaml"]
     assert "${train.out_dir}" in stages["eval"]["deps"]
+
+
+def stamp_as_a_run_would(stage: Stage, cfg: Config) -> Path:
+    """The stamp a run of `stage` leaves (tasks/cache.py run_cached), without running it."""
+    from forgeline.tasks.cache import Stamp, output_hashes, stage_inputs, stamp_path
+
+    path = stamp_path(stage, cfg)
+    stamp = Stamp(stage_inputs(stage, cfg), output_hashes(stage, cfg), {}, "run-id")
+    path.write_text(json.dumps(dataclasses.asdict(stamp)))
+    return path
+
+
+def status(config: Config, tmp_path: Path, capsys: pytest.CaptureFixture) -> dict[str, str | None]:
+    """`forgeline status --json`: why each stage would run."""
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    capsys.readouterr()
+    assert main(["status", "--json", "--config", str(config_file)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_an_upgraded_package_reruns_the_stages_that_import_it_and_status_names_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cfg = debug_config(tmp_path)
+    for name in ("data", "train"):  # what eval reads must exist to be hashed
+        stage_named(name).done_marker(cfg).parent.mkdir(parents=True)
+    stamp = stamp_as_a_run_would(stage_named("eval"), cfg)
+    assert status(cfg, tmp_path, capsys)["eval"] is None
+
+    recorded = json.loads(stamp.read_text())  # as a run under an older transformers recorded it
+    recorded["inputs"]["packages"]["transformers"] = "5.24.0"
+    stamp.write_text(json.dumps(recorded))
+    assert status(cfg, tmp_path, capsys)["eval"] == (
+        f"changed: packages (transformers 5.24.0 -> {metadata.version('transformers')})")
+
+
+def lm_eval_with_its_arc_tasks_copied(root: Path) -> Path:
+    """The installed lm-eval under `root`, its files linked, but for a copy of its arc tasks to
+    edit: a PYTHONPATH entry that imports it instead of the installed one."""
+    installed = Path(lm_eval.__file__).parent
+    shadow = root / "lm_eval"
+    for directory in (installed, installed / "tasks"):
+        (shadow / directory.relative_to(installed)).mkdir(parents=True, exist_ok=True)
+        for entry in directory.iterdir():
+            if entry.name not in ("tasks", "arc", "__pycache__"):
+                (shadow / entry.relative_to(installed)).symlink_to(entry)
+    shutil.copytree(installed / "tasks" / "arc", shadow / "tasks" / "arc")
+    return root
+
+
+def test_an_edited_lm_eval_task_file_the_suite_includes_reruns_eval(tmp_path: Path) -> None:
+    """The issue's case: the prompt of the installed lm-eval's arc/arc_easy.yaml, which
+    forgeline_arc_easy includes, changed under the same lm-eval version."""
+    cfg = debug_config(tmp_path)
+    for name in ("data", "train"):
+        stage_named(name).done_marker(cfg).parent.mkdir(parents=True)
+    stamp_as_a_run_would(stage_named("eval"), cfg)
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    site = lm_eval_with_its_arc_tasks_copied(tmp_path / "site")
+    arc_easy = site / "lm_eval" / "tasks" / "arc" / "arc_easy.yaml"
+    arc_easy.write_text(arc_easy.read_text().replace('"Question: {{question}}', '"Q: {{question}}'))
+
+    forgeline = Path(sys.executable).parent / "forgeline"
+    done = subprocess.run([str(forgeline), "status", "--json", "--config", str(config_file)],
+                          env=os.environ | {"PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1"},
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["eval"] == "changed: installed files (lm_eval/tasks/arc/arc_easy.yaml)"
+
+
+def test_the_bases_chat_template_is_in_the_key_of_the_stages_that_read_the_base(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The issue's case: after the data stage, the default system prompt in the base's
+    chat_template.jinja changes; the SFT data would be rendered with another template."""
+    base = save_base(tmp_path / "base")
+    template = base / "chat_template.jinja"
+    template.write_text("{{ 'You are a helpful assistant.' }}"
+                        "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    cfg = debug_config(tmp_path, f"model.init_from={base}")
+    Path(cfg.data.raw_dir).mkdir()
+    stage_named("data").done_marker(cfg).parent.mkdir(parents=True)
+    stamp_as_a_run_would(stage_named("data"), cfg)
+    assert status(cfg, tmp_path, capsys)["data"] is None
+
+    template.write_text(template.read_text().replace("a helpful assistant", "a terse assistant"))
+    assert status(cfg, tmp_path, capsys)["data"] == "changed: base"
+
+
+def test_the_tokenizer_and_chat_template_files_the_config_names_are_in_the_data_key(tmp_path: Path) -> None:
+    """data.tokenizer_path and a data.chat_template file count by content: DVC sees their paths."""
+    from forgeline.tasks.cache import Stamp, stage_inputs, why_not_cached
+
+    tokenizer = save_base(tmp_path / "tokenizer")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    cfg = debug_config(tmp_path, f"data.tokenizer_path={tokenizer}")
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"chat_template": str(template)})})
+    Path(cfg.data.raw_dir).mkdir()
+    data = stage_named("data")
+    before = stage_inputs(data, cfg)
+    (tokenizer / "tokenizer_config.json").write_text('{"bos_token": "a"}')
+    template.write_text("{{ 'system' }}" + template.read_text())
+    assert why_not_cached(data, cfg, stage_inputs(data, cfg), Stamp(before, {}, {}, "run-id")) == (
+        "changed: external (data.chat_template, data.tokenizer_path)")
