@@ -471,8 +471,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
     for name, score in result.dimensions.items():
         print(f"  {name}: {score:.3f}" + interval(name) + (f" (base {base[name]:.3f})" if base else ""))
     if result.detectable is not None:
-        print(f"Smallest overall change these items detect against another model (80 % power, 5 % "
-              f"two-sided): {result.detectable:.3f}")
+        print(f"Smallest overall change these items detect against another model (80 % power at the "
+              f"gate's Holm-corrected 5 %): {result.detectable:.3f}")
     return 0
 
 

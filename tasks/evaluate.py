@@ -128,8 +128,8 @@ class EvalResult:
     def _detectable(self) -> str:
         if self.detectable is None:
             return ""
-        return (f"\n\nSmallest overall change these items detect against another model (80 % power, "
-                f"5 % two-sided): {self.detectable:.3f}")
+        return (f"\n\nSmallest overall change these items detect against another model (80 % power at "
+                f"the gate's Holm-corrected 5 %): {self.detectable:.3f}")
 
 
 def plan_tasks(ecfg: EvalConfig) -> dict[str, tuple[list[TaskScore], DimensionConfig]]:

@@ -84,8 +84,8 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     assert re.search(r"Eval \(chance-normalized, 0 = chance, 1 = best; ± 95 % interval\): overall "
                      r"-?[0-9.]+ ± [0-9.]+", done.stdout)
     assert eval_metrics["stderr/overall"] > 0 and "stderr/dimension/reasoning" in eval_metrics
-    detectable = re.search(r"Smallest overall change these items detect against another model \(80 % power, "
-                           r"5 % two-sided\): ([0-9.]+)", done.stdout)
+    detectable = re.search(r"Smallest overall change these items detect against another model \(80 % power "
+                           r"at the gate's Holm-corrected 5 %\): ([0-9.]+)", done.stdout)
     assert float(detectable.group(1)) == pytest.approx(eval_metrics["detectable/overall"], abs=1e-3)
     assert by_name["data"].data.metrics["train_samples"] == manifest["splits"]["train"]["samples"]
     # ... built from the raw snapshot its run records.
