@@ -985,7 +985,8 @@ class RegistryConfig(Section):
     significantly worse one rejects, whatever this."""
 
 
-LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                     "qkv_proj", "gate_up_proj"]
 
 
 class LoraConfig(Section):
@@ -1000,7 +1001,8 @@ class LoraConfig(Section):
 
     targets: list[LoraTarget] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
                                       min_length=1)
-    """Linear layers given adapters, by their Hugging Face names (as `peft`'s target_modules)."""
+    """Linear layers given adapters, by their Hugging Face names in the base's family (as `peft`'s
+    target_modules): q_proj, k_proj, ... for most; qkv_proj and gate_up_proj for Phi-3."""
 
 
 class SFTConfig(Section):

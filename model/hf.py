@@ -109,15 +109,6 @@ def _heads(name: str, shape: ModelConfig) -> int | None:
     return None
 
 
-def hf_name(name: str, shape: ModelConfig) -> str:
-    """The Hugging Face name of the forgeline parameter `name`, stored as a tensor of its own."""
-    names = _hf_names(shape)
-    if name not in names:
-        raise ValueError(f"{name} is part of a fused {shape.family} tensor, not a Hugging Face tensor "
-                         "of its own")
-    return names[name]
-
-
 def rows_to_hf(name: str, w: torch.Tensor, shape: ModelConfig) -> torch.Tensor:
     """`w`, the weight `name` or a tensor whose rows are that weight's output rows (a LoRA B,
     model/lora.py), with its rows in the Hugging Face order."""

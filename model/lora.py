@@ -37,24 +37,27 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from forgeline.configs.schema import LoraConfig
+from forgeline.configs.schema import LoraConfig, ModelConfig
 from forgeline.model.fileio import new_directory
-from forgeline.model.hf import hf_name, rows_to_hf
+from forgeline.model.hf import hf_weights, rows_to_hf
 from forgeline.model.init import canonical_name, init_param_
 from forgeline.model.llama import Transformer
 
 if TYPE_CHECKING:  # peft is imported where it is used: the ranks never need it
     from peft import LoraConfig as PeftLoraConfig
 
-# Hugging Face name of a target (LoraConfig.targets, peft's target_modules) -> our linear in a block.
+# Hugging Face name of a target (LoraConfig.targets, peft's target_modules) -> our linears in a
+# block: several where the family fuses them (Phi-3's qkv_proj, gate_up_proj).
 TARGETS = {
-    "q_proj": "attention.wq",
-    "k_proj": "attention.wk",
-    "v_proj": "attention.wv",
-    "o_proj": "attention.wo",
-    "gate_proj": "feed_forward.w1",
-    "up_proj": "feed_forward.w3",
-    "down_proj": "feed_forward.w2",
+    "q_proj": ("attention.wq",),
+    "k_proj": ("attention.wk",),
+    "v_proj": ("attention.wv",),
+    "qkv_proj": ("attention.wq", "attention.wk", "attention.wv"),
+    "o_proj": ("attention.wo",),
+    "gate_proj": ("feed_forward.w1",),
+    "up_proj": ("feed_forward.w3",),
+    "gate_up_proj": ("feed_forward.w1", "feed_forward.w3"),
+    "down_proj": ("feed_forward.w2",),
 }
 ADAPTER_NAMES = ("lora_a", "lora_b")
 PEFT_CONFIG = "adapter_config.json"
@@ -86,13 +89,26 @@ class LoraLinear(nn.Linear):
 def apply_lora(model: Transformer, lora: LoraConfig) -> None:
     """Give the target linears of every block of `model` (or of a pipeline stage; on the meta
     device or materialized) adapters, and freeze every other parameter. Adapters made on a real device
-    hold garbage until `init_lora`."""
+    hold garbage until `init_lora`. A fused target (Phi-3's qkv_proj) gives each linear it holds
+    adapters of its own: exported as one adapter of their ranks together (`peft_state_dict`)."""
+    check_targets(model.shape, lora)
     for block in model.layers.values():
         for target in lora.targets:
-            parent_path, _, attr = TARGETS[target].rpartition(".")
-            parent = block.get_submodule(parent_path)
-            setattr(parent, attr, LoraLinear(getattr(parent, attr), lora.rank, lora.alpha / lora.rank))
+            for path in TARGETS[target]:
+                parent_path, _, attr = path.rpartition(".")
+                parent = block.get_submodule(parent_path)
+                setattr(parent, attr, LoraLinear(getattr(parent, attr), lora.rank, lora.alpha / lora.rank))
     freeze_base(model)
+
+
+def check_targets(shape: ModelConfig, lora: LoraConfig) -> None:
+    """Targets are the family's own Hugging Face module names (as `peft` finds them in its
+    export): q_proj for Llama, qkv_proj for Phi-3."""
+    modules = {hf.split(".")[-2] for hf in hf_weights(shape)
+               if hf.startswith("model.layers.0.") and hf.endswith("_proj.weight")}
+    if wrong := [target for target in lora.targets if target not in modules]:
+        raise ValueError(f"sft.lora.targets {wrong} are not linear layers of a {shape.family} model, "
+                         f"whose are {sorted(modules)}")
 
 
 def freeze_base(model: nn.Module) -> None:
@@ -174,29 +190,35 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 
 def peft_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    """A full model's adapters under the names `peft` saves them for a LlamaForCausalLM
-    (base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight), B's rows in the Hugging
-    Face order of its weight's rows (model/hf.py): the export's W + scale B A is then the
-    permutation of ours."""
+    """A full model's adapters under the names `peft` saves them for the family's Hugging Face
+    model (base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight), B's rows in the
+    Hugging Face order of its weight's rows (model/hf.py): the export's W + scale B A is then the
+    permutation of ours. The adapters of a fused tensor's parts (Phi-3's qkv_proj) are one
+    adapter of their ranks together: A stacked, B block-diagonal, so B A is each part's B A on
+    its own rows."""
+    ours = {canonical_name(name): param for name, param in model.state_dict().items()}
     out = {}
-    for name, param in model.state_dict().items():
-        name = canonical_name(name)
-        if not is_adapter(name):
+    for hf, names in hf_weights(model.shape).items():
+        linears = [name.removesuffix(".weight") for name in names]
+        adapted = [linear for linear in linears if f"{linear}.lora_a" in ours]
+        if not adapted:
             continue
-        weight_name = f"{name.rpartition('.')[0]}.weight"
-        module = hf_name(weight_name, model.shape).removesuffix(".weight")
-        if name.endswith(".lora_a"):
-            out[f"base_model.model.{module}.lora_A.weight"] = param
-        else:
-            out[f"base_model.model.{module}.lora_B.weight"] = rows_to_hf(weight_name, param, model.shape)
+        module = hf.removesuffix(".weight")
+        out[f"base_model.model.{module}.lora_A.weight"] = torch.cat([ours[f"{m}.lora_a"] for m in adapted])
+        out[f"base_model.model.{module}.lora_B.weight"] = torch.block_diag(
+            *(rows_to_hf(f"{m}.weight", ours[f"{m}.lora_b"], model.shape) for m in adapted))
     return out
 
 
 def peft_config(lora: LoraConfig, base_model: str | None) -> PeftLoraConfig:
-    """`peft`'s own LoraConfig of these adapters: it writes adapter_config.json."""
+    """`peft`'s own LoraConfig of these adapters: it writes adapter_config.json. A fused target's
+    adapter has the rank of its parts together, and alpha to keep their scale alpha / rank."""
     from peft import LoraConfig as PeftLoraConfig
 
+    parts = {target: len(TARGETS[target]) for target in lora.targets if len(TARGETS[target]) > 1}
     return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets),
+                          rank_pattern={t: n * lora.rank for t, n in parts.items()},
+                          alpha_pattern={t: n * lora.alpha for t, n in parts.items()},
                           lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", inference_mode=True,
                           base_model_name_or_path=base_model)
 

@@ -42,6 +42,7 @@ from forgeline.configs.schema import Config, ConfigError, ModelConfig
 from forgeline.model.checkpoint.manager import MANIFEST_NAME, read_checkpoint_manifest, verify_checkpoint
 from forgeline.model.fileio import sha256_file
 from forgeline.model.hf import check_hf_weights, convert_gguf, hf_weight_files, model_shape_from_hf
+from forgeline.model.lora import check_targets
 from forgeline.tasks.tracking import resolve_tracking_uri
 
 CACHE_ENV = "FORGELINE_CACHE"
@@ -335,10 +336,15 @@ def with_base(cfg: Config, base: Base) -> Config:
     raw = cfg.model_dump(exclude_unset=True)
     raw["model"] = cfg.model.with_base_shape(base.shape).model_dump()
     try:
-        return Config.model_validate(raw)
+        based = Config.model_validate(raw)
+        if based.sft and based.sft.lora:
+            check_targets(based.model, based.sft.lora)  # a family's own module names
+        return based
     except ValidationError as err:
         problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
         raise ConfigError(f"with the shape of the base {base.uri}: {problems}") from None
+    except ValueError as err:
+        raise ConfigError(f"with the base {base.uri}: {err}") from None
 
 
 def check_data_tokenizer(base: Base, manifest: dict, data_dir: Path) -> None:

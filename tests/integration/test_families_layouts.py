@@ -3,7 +3,8 @@ ranks: a tiny random model of each family, made offline with transformers, is th
 
 Step-0 parity in one process, dp2 x tp2 and pp2 x dp2: on the first global batch, the train
 stage's first loss equals transformers' for the base (fp32, 1e-5 relative) and its gradient norm
-transformers' (1e-4 relative). Every delta of a family is on in its base: biases, q/k norms,
+transformers' (1e-4 relative). The steps after it train to the single process's losses (1e-5
+relative) in each layout. Every delta of a family is on in its base: biases, q/k norms,
 a head width of its own, sliding windows shorter than a row, llama3 rope scaling, Gemma's
 soft-capping and sandwich norms, Phi-3's fused projections."""
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from mlflow import MlflowClient
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from forgeline.configs import Config
@@ -23,8 +25,10 @@ from forgeline.model.training.shards import read_manifest, split_shards
 from forgeline.tasks.data.build import build_dataset, train_tokenizer
 from forgeline.tasks.runner import run_stage
 from forgeline.tasks.stage import stage_named
+from forgeline.tasks.tracking import resolve_tracking_uri
+from forgeline.tasks.train.job import TrainResult
 from tests.conftest import debug_config
-from tests.integration.test_init_from import COMMON, first_step_metrics
+from tests.integration.test_init_from import COMMON, first_step_metrics, train_run
 from tests.unit.test_families import randomize_gains_and_biases
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -48,6 +52,7 @@ FAMILY_FIELDS = {
                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
     "phi3": dict(sliding_window=WINDOW, tie_word_embeddings=False),
 }
+STEPS = 3
 LAYOUTS = {
     "single": [],
     "dp2xtp2": ["parallel.dp_shard=2", "parallel.tp=2"],
@@ -113,15 +118,38 @@ def transformers_step0(cfg: Config, base: Path) -> tuple[float, float]:
     return loss.item(), torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
 
 
+def losses(cfg: Config, result: TrainResult) -> list[float]:
+    client = MlflowClient(resolve_tracking_uri(cfg))
+    history = client.get_metric_history(train_run(cfg, result).info.run_id, "loss")
+    return [metric.value for metric in sorted(history, key=lambda m: m.step)]
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict[tuple[str, str], tuple[Config, TrainResult]]:
+    """(family, layout) -> its train stage's config and result, run once."""
+    return {}
+
+
+def train(family: str, layout: str, root: Path, bases: dict[str, Path],
+          trained: dict[tuple[str, str], tuple[Config, TrainResult]]) -> tuple[Config, TrainResult]:
+    if (family, layout) not in trained:
+        cfg = config(root, bases[family], f"{family}-{layout}", f"train.steps={STEPS}", *LAYOUTS[layout])
+        trained[family, layout] = cfg, run_stage(stage_named("train"), cfg)
+    return trained[family, layout]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("family", FAMILY_FIELDS)
-def test_the_first_step_matches_transformers(family: str, layout: str, root: Path,
-                                             bases: dict[str, Path]) -> None:
-    cfg = config(root, bases[family], f"{family}-{layout}", "train.steps=1", *LAYOUTS[layout])
-    result = run_stage(stage_named("train"), cfg)
+def test_a_layout_starts_at_transformers_loss_and_trains_as_one_process(
+        family: str, layout: str, root: Path, bases: dict[str, Path],
+        trained: dict[tuple[str, str], tuple[Config, TrainResult]]) -> None:
+    cfg, result = train(family, layout, root, bases, trained)
     (loss, norm), (hf_loss, hf_norm) = first_step_metrics(cfg, result), transformers_step0(cfg, bases[family])
     print(f"step-0 parity {family} {layout}: loss {loss:.7f} vs {hf_loss:.7f} "
           f"(rel {abs(loss / hf_loss - 1):.1e}), grad norm {norm:.6f} vs {hf_norm:.6f} "
           f"(rel {abs(norm / hf_norm - 1):.1e})")
     assert loss == pytest.approx(hf_loss, rel=1e-5)
     assert norm == pytest.approx(hf_norm, rel=1e-4)
+    ours, single = losses(cfg, result), losses(*train(family, "single", root, bases, trained))
+    print(f"losses {family} {layout}: {ours} vs one process {single}")
+    assert len(ours) == STEPS and ours == pytest.approx(single, rel=1e-5)

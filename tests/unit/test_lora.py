@@ -35,8 +35,10 @@ from forgeline.model.training.optim import build_optimizer
 from forgeline.model.training.worker import BaseWeights, load_base
 from tests.conftest import debug_config
 
-ALL_TARGETS = list(TARGETS)
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = LoraConfig(rank=4, alpha=8.0, targets=ALL_TARGETS)
+# Phi-3's modules: q, k and v fused, gate and up fused.
+PHI3_LORA = LoraConfig(rank=4, alpha=8.0, targets=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
 # SmolLM2-135M's shape (its config.json): what the optimizer-state fraction is reported for.
 SMOLLM2 = ModelConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
                       norm_eps=1e-5, rope_theta=100000.0, max_seq_len=2048, tie_embeddings=True,
@@ -62,6 +64,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 FAMILY_DELTAS = {
     "llama": {},
     "qwen2": dict(family="qwen2", qkv_bias=True),
+    "phi3": dict(family="phi3", sliding_window=8),
     "gemma2": dict(family="gemma2", attention_head_dim=24, activation="gelu_tanh", norm_offset=True,
                    sandwich_norms=True, embedding_scale=True, query_pre_attn_scalar=24,
                    attn_logit_softcap=5.0, final_logit_softcap=10.0, sliding_window=8, sliding_layers=[0],
@@ -88,10 +91,10 @@ def built(shape: ModelConfig, lora: LoraConfig | None, seed: int = 0) -> Transfo
     return model
 
 
-def trained_looking(shape: ModelConfig) -> Transformer:
+def trained_looking(shape: ModelConfig, lora: LoraConfig = LORA) -> Transformer:
     """A model with adapters as after training: B random (at init it is 0, and a test of the
     update could not fail), q and k scaled up so that a wrong rotary permutation of B shows."""
-    model = built(shape, LORA)
+    model = built(shape, lora)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -117,15 +120,17 @@ def sample(shape: ModelConfig) -> torch.Tensor:
 
 @pytest.mark.parametrize("rope_layout, family", [("interleaved", "llama"), ("half", "llama"),
                                                  ("half", "qwen2"), ("interleaved", "qwen2"),
-                                                 ("half", "gemma2")])
+                                                 ("half", "gemma2"), ("half", "phi3"),
+                                                 ("interleaved", "phi3")])
 def test_merged_export_equals_peft_adapter_on_base_export(rope_layout: str, family: str, tokenizer_dir: Path,
                                                           tmp_path: Path) -> None:
-    model = trained_looking(tiny_shape(tokenizer_dir, rope_layout, family))
+    lora = PHI3_LORA if family == "phi3" else LORA
+    model = trained_looking(tiny_shape(tokenizer_dir, rope_layout, family), lora)
     tokens = sample(model.shape)
     with torch.no_grad():
         ours = model(tokens)
     base_dir = export_hf(base_of(model), tokenizer_dir, tmp_path / "base")
-    adapter_dir = export_peft_adapter(model, LORA, tmp_path / "adapter", base_model=str(base_dir))
+    adapter_dir = export_peft_adapter(model, lora, tmp_path / "adapter", base_model=str(base_dir))
     merged_dir = export_hf(merge_lora(copy.deepcopy(model)), tokenizer_dir, tmp_path / "merged")
     assert {p.name for p in adapter_dir.iterdir()} == {PEFT_CONFIG, PEFT_WEIGHTS}
 
@@ -137,7 +142,7 @@ def test_merged_export_equals_peft_adapter_on_base_export(rope_layout: str, fami
         merged_logits = AutoModelForCausalLM.from_pretrained(merged_dir).eval()(tokens).logits
     # peft found every adapter: one pair per target linear of each layer.
     adapted = [name for name, _ in peft_model.named_modules() if name.endswith(".lora_A.default")]
-    assert len(adapted) == model.shape.n_layers * len(ALL_TARGETS)
+    assert len(adapted) == model.shape.n_layers * len(lora.targets)
     gap = (merged_logits - peft_logits).abs().max().item()
     print(f"[{rope_layout}] max |merged - peft(base + adapter)| = {gap:.2e}; "
           f"|ours - peft| = {(ours - peft_logits).abs().max().item():.2e}; "
@@ -146,6 +151,15 @@ def test_merged_export_equals_peft_adapter_on_base_export(rope_layout: str, fami
     assert AutoModelForCausalLM.from_pretrained(merged_dir).config.model_type == family
     torch.testing.assert_close(merged_logits, peft_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours, peft_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_targets_are_the_families_own_module_names(tokenizer_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"sft.lora.targets \['q_proj'\] are not linear layers of a phi3 "
+                                         r"model, whose are \['down_proj', 'gate_up_proj', 'o_proj', "
+                                         r"'qkv_proj'\]"):
+        built(tiny_shape(tokenizer_dir, "half", "phi3"), LoraConfig(targets=["q_proj"]))
+    with pytest.raises(ValueError, match="qkv_proj"):
+        built(tiny_shape(tokenizer_dir), PHI3_LORA)
 
 
 def test_export_refuses_unmerged_adapters(tokenizer_dir: Path) -> None:
@@ -227,7 +241,8 @@ def test_loading_the_base_keeps_the_adapters_and_starts_at_the_base(source: str,
             assert 0.5 * bound < param.abs().max() <= bound
         else:
             assert not param.any()
-    assert all(isinstance(model.layers["0"].get_submodule(path), LoraLinear) for path in TARGETS.values())
+    assert all(isinstance(model.layers["0"].get_submodule(path), LoraLinear)
+               for target in ALL_TARGETS for path in TARGETS[target])
     tokens = sample(shape)
     with torch.no_grad():
         assert torch.equal(model.eval()(tokens), base(tokens))

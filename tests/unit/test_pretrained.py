@@ -197,3 +197,17 @@ def test_eval_compares_with_the_base_the_run_trained_from_after_the_reference_mo
     LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True)).save_pretrained(first)
     with pytest.raises(ConfigError, match=rf"the base {alias} the run trained from was rewritten at {first}"):
         recorded_base(trained_from)
+
+
+def test_lora_targets_the_base_family_lacks_are_refused_before_any_work(tmp_path: Path) -> None:
+    """A Phi-3 base fuses q, k and v: the default targets (q_proj, ...) name no module of it."""
+    from transformers import Phi3Config
+
+    base = save_base(tmp_path / "base", Phi3Config(**TINY, pad_token_id=0))
+    chats = {"data.sources": [{"kind": "chitchat"}]}
+    cfg = config_from(tmp_path, base).with_values(chats | {"sft.lora": {"rank": 4}})
+    with pytest.raises(ConfigError, match=r"sft.lora.targets \['q_proj', 'k_proj', 'v_proj'\] are not linear "
+                                          r"layers of a phi3 model, whose are .*'qkv_proj'"):
+        with_base(cfg, resolve_base(cfg))
+    cfg = config_from(tmp_path, base).with_values(chats | {"sft.lora": {"rank": 4, "targets": ["qkv_proj"]}})
+    assert with_base(cfg, resolve_base(cfg)).model.family == "phi3"
