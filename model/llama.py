@@ -12,6 +12,8 @@ with `init_weights()`.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +86,80 @@ def sliding_window_mask(mask: torch.Tensor | None, start: int, T: int, window: i
     if mask is None:
         return near & (key_positions[None, :] <= queries[:, None])
     return mask & near
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) document numbers -> (B, T) each token's position counted from its document's first token."""
+    index = torch.arange(documents.size(1), device=documents.device)  # (T,)
+    begins = torch.ones_like(documents, dtype=torch.bool)  # (B, T): a document's first token
+    begins[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - torch.where(begins, index, 0).cummax(dim=1).values  # (B, T)
+
+
+def dense_document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) document numbers -> (B, 1, T, T) block-causal mask, True where a query may attend to a
+    key: the T x T form of DocumentSpans, for compiled blocks (and the reference its tests and
+    bench/attention.py compare against)."""
+    index = torch.arange(documents.size(1), device=documents.device)  # (T,)
+    same_document = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
+    return (same_document & (index[:, None] >= index[None, :]))[:, None]  # (B, 1, T, T)
+
+
+@dataclass(frozen=True)
+class DocumentSpans:
+    """The documents of packed rows as (begin, end) token offsets: attention is computed document by
+    document, in memory linear in T, where a (B, 1, T, T) mask grows with T squared."""
+
+    rows: tuple[tuple[tuple[int, int], ...], ...]  # per row, its documents' (begin, end), in order
+    documents: torch.Tensor  # (B, T) the document numbers they were read from
+
+    @classmethod
+    def of(cls, documents: torch.Tensor) -> DocumentSpans:
+        """From (B, T) document numbers, equal within a document and changing at its first token."""
+        T = documents.size(1)
+        # One transfer for the whole batch (a device sync per forward, not per row or layer).
+        changes = (documents[:, 1:] != documents[:, :-1]).nonzero().tolist()  # [[row, first token - 1]]
+        starts: list[list[int]] = [[0] for _ in range(documents.size(0))]
+        for row, before in changes:
+            starts[row].append(before + 1)
+        rows = tuple(tuple(zip(begins, [*begins[1:], T], strict=True)) for begins in starts)
+        return cls(rows, documents)
+
+    @classmethod
+    def whole(cls, batch: int, T: int, device: torch.device) -> DocumentSpans:
+        """Rows of one document each: plain causal rows, for the blocks of a sliding window."""
+        return cls((((0, T),),) * batch, torch.zeros(batch, T, dtype=torch.int32, device=device))
+
+
+# Rows up to this long keep the dense mask: its T x T is at most 64 KiB a row, and one kernel call for
+# the batch beats one per document there (documents by document took 1.04-1.15x the time at T = 128,
+# 1.07x at 256, 0.93x at 512: bench/attention.py --batch 8 --lengths 128 256 384 512
+# --longest-document 128).
+DENSE_MASK_MAX_LEN = 256
+
+# A sliding-window layer computes a long document in blocks of queries as wide as the window, and at
+# least this wide: blocks of a few queries would take as many kernel calls as tokens.
+MIN_WINDOW_BLOCK = 256
+
+
+def attention_blocks(begin: int, end: int, window: int | None) -> Iterator[tuple[int, int, int]]:
+    """(first query, end, first key) of the blocks one document's attention is computed in: the
+    whole document, or where a window is shorter than the document, blocks of queries each over the
+    keys in their windows."""
+    if window is None or end - begin <= window:
+        yield begin, end, begin
+        return
+    size = max(window, MIN_WINDOW_BLOCK)
+    for first in range(begin, end, size):
+        yield first, min(first + size, end), max(begin, first - window + 1)
+
+
+def band_mask(first_query: int, end: int, first_key: int, window: int, device: torch.device) -> torch.Tensor:
+    """(L, S) True where the queries first_query..end may attend to the keys first_key..end: causal,
+    less than `window` positions back."""
+    queries = torch.arange(first_query, end, device=device)[:, None]  # (L, 1)
+    keys = torch.arange(first_key, end, device=device)[None, :]  # (1, S)
+    return (keys <= queries) & (keys > queries - window)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor, layout: str = "interleaved") -> torch.Tensor:
@@ -164,8 +240,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
-                layer: str = "", mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`mask` (B or 1, 1, T, S): True where a query may attend to a key; None: causal."""
+                layer: str = "", mask: torch.Tensor | DocumentSpans | None = None) -> torch.Tensor:
+        """`mask` (B or 1, 1, T, S): True where a query may attend to a key; DocumentSpans: within
+        each document, causal; None: causal."""
         B, T, _ = x.shape
         # -1 instead of the head counts: under tensor parallelism each rank holds a slice.
         q = self.wq(x).view(B, T, -1, self.head_dim)
@@ -175,12 +252,59 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope, self.rope_layout), apply_rope(k, rope, self.rope_layout)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        spans = self.document_spans(mask, cache, B, T, x.device)
+        if spans is not None:
+            return self.wo(self.attend_documents(q, k, v, spans).transpose(1, 2).reshape(B, T, -1))
+        if isinstance(mask, DocumentSpans):
+            # A compiled block would be recompiled for every new set of spans: it takes the dense mask.
+            mask = dense_document_mask(mask.documents)
         if self.window is not None:
             mask = sliding_window_mask(mask, 0 if cache is None else cache.length, q.size(2), self.window)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, H_kv, S, D): the past and these positions
         out = self.attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def document_spans(self, mask: torch.Tensor | DocumentSpans | None, cache: KVCache | None, B: int, T: int,
+                       device: torch.device) -> DocumentSpans | None:
+        """The spans to attend over document by document, or None: causal rows that a window does
+        not narrow (the fused causal kernel), a cache or a dense mask (inference), a compiled block."""
+        if torch.compiler.is_compiling() or cache is not None:
+            return None
+        if isinstance(mask, DocumentSpans):
+            return mask
+        if mask is None and self.window is not None and T > max(self.window, DENSE_MASK_MAX_LEN):
+            return DocumentSpans.whole(B, T, device)  # a long row: its windows in blocks
+        return None
+
+    def attend_documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         spans: DocumentSpans) -> torch.Tensor:
+        """(B, H, T, D) attention of each document's queries over its own keys, block by block."""
+        rows = []
+        for query_row, key_row, value_row, documents in zip(q.split(1), k.split(1), v.split(1), spans.rows,
+                                                             strict=True):  # (1, H or H_kv, T, D) each
+            blocks = [block for span in documents for block in attention_blocks(*span, self.window)]
+            sizes = [end - first for first, end, _ in blocks]
+            queries = query_row.split(sizes, dim=2)  # (1, H, L, D) each
+            if all(first_key == first for first, _, first_key in blocks):
+                # Blocks over their own keys only: split, whose backward is one concatenation (a slice's
+                # fills a gradient as long as the row, per block).
+                keys, values = key_row.split(sizes, dim=2), value_row.split(sizes, dim=2)  # (1, H_kv, L, D)
+            else:
+                keys = [key_row[:, :, first_key:end] for _, end, first_key in blocks]  # (1, H_kv, S, D)
+                values = [value_row[:, :, first_key:end] for _, end, first_key in blocks]
+            rows.append(torch.cat([
+                self.attend(*block, self.block_mask(first, end, first_key, q.device))
+                for *block, (first, end, first_key) in zip(queries, keys, values, blocks, strict=True)
+            ], dim=2))  # (1, H, T, D)
+        return torch.cat(rows)
+
+    def block_mask(self, first: int, end: int, first_key: int, device: torch.device) -> torch.Tensor | None:
+        """(L, S) mask of the block of queries first..end over the keys first_key..end; None where it
+        is causal (the fused causal kernel): a whole document within the window."""
+        if first_key == first and (self.window is None or end - first <= self.window):
+            return None
+        return band_mask(first, end, first_key, self.window, device)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
@@ -228,7 +352,7 @@ class TransformerBlock(nn.Module):
             self.attention_out_norm = self.ffn_out_norm = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
-                layer: str = "", mask: torch.Tensor | None = None) -> torch.Tensor:
+                layer: str = "", mask: torch.Tensor | DocumentSpans | None = None) -> torch.Tensor:
         # cache, layer and mask by keyword: tensor parallelism's PrepareModuleInput lays out the
         # positional inputs (x, rope) only.
         h = self.attention(self.attention_norm(x), rope, cache=cache, layer=layer, mask=mask)
@@ -280,12 +404,9 @@ class Transformer(nn.Module):
         pipeline stage takes them too (its `tokens` are then hidden states)."""
         positions = mask = None
         if documents is not None:
-            index = torch.arange(documents.size(1), device=documents.device)  # (T,)
-            begins = torch.ones_like(documents, dtype=torch.bool)  # (B, T): a document's first token
-            begins[:, 1:] = documents[:, 1:] != documents[:, :-1]
-            positions = index - torch.where(begins, index, 0).cummax(dim=1).values  # (B, T)
-            same_document = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
-            mask = (same_document & (index[:, None] >= index[None, :]))[:, None]  # (B, 1, T, T)
+            positions = document_positions(documents)
+            short = documents.size(1) <= DENSE_MASK_MAX_LEN
+            mask = dense_document_mask(documents) if short else DocumentSpans.of(documents)
         h = self.hidden_states(tokens, cache, positions, mask)
         return self.logits(h) if self.output is not None else h  # (B, T, V)
 
@@ -295,14 +416,14 @@ class Transformer(nn.Module):
 
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None,
                       positions: torch.Tensor | None = None,
-                      mask: torch.Tensor | None = None) -> torch.Tensor:
+                      mask: torch.Tensor | DocumentSpans | None = None) -> torch.Tensor:
         """(B, T, C) states after the final norm: what `output` turns into logits. Inference
         that needs the logits of a few positions projects only those (the vocabulary projection
         is a large share of a small model's compute).
 
         Packed rows (several sequences per row; inference, without a cache) give each token's
-        `positions` (B, T) within its sequence and the attention `mask` (B, 1, T, T): True where
-        a query may attend to a key."""
+        `positions` (B, T) within its sequence and the attention `mask`: (B, 1, T, T), True where
+        a query may attend to a key, or the DocumentSpans of contiguous documents."""
         h = tokens
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)  # (B, T, C)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from forgeline.configs import load_config
 from forgeline.configs.schema import ModelConfig
-from forgeline.model.llama import Transformer
+from forgeline.model.llama import DENSE_MASK_MAX_LEN, Transformer, dense_document_mask, document_positions
 from forgeline.model.training.loader import DocumentBatch, ShardedSampleLoader
 from forgeline.model.training.shards import ShardInfo, write_shard
 from forgeline.model.training.step import TrainStep
@@ -39,10 +39,10 @@ def process_group(tmp_path: Path) -> Iterator[None]:
     dist.destroy_process_group()
 
 
-def tiny_model() -> Transformer:
+def tiny_model(max_seq_len: int = 32, **shape: int) -> Transformer:
     with torch.device("meta"):
         model = Transformer(ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                        ffn_dim=64, max_seq_len=32))
+                                        ffn_dim=64, max_seq_len=max_seq_len, **shape))
     model.to_empty(device="cpu")
     model.init_weights(0)
     return model
@@ -85,6 +85,24 @@ def test_packed_rows_give_the_losses_of_their_documents_run_separately() -> None
     plain = model(inputs)
     torch.testing.assert_close(packed[2], plain[2], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(packed[0, 5:], plain[0, 5:], atol=1e-3)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("shape", [{}, {"sliding_window": 40}])
+def test_long_packed_rows_attend_document_by_document_to_the_same_logits(shape: dict) -> None:
+    """Rows longer than DENSE_MASK_MAX_LEN take DocumentSpans instead of the dense mask: still the
+    logits of the dense mask and of each document run alone, with a sliding window too."""
+    length = DENSE_MASK_MAX_LEN + 44
+    model = tiny_model(max_seq_len=length, **shape)
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randint(0, VOCAB, (2, length), generator=generator)
+    documents = (torch.rand(2, length, generator=generator) < 0.02).cumsum(dim=1)
+    documents[1] = 0  # a row of one document, longer than the window
+    packed = model(inputs, documents=documents)
+    dense = model.logits(model.hidden_states(inputs, positions=document_positions(documents),
+                                             mask=dense_document_mask(documents)))
+    torch.testing.assert_close(packed, dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed, separate_logits(model, inputs, documents), rtol=1e-5, atol=1e-5)
 
 
 def test_the_loader_numbers_the_documents_from_their_starts(tmp_path: Path) -> None:
