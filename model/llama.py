@@ -252,13 +252,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope, self.rope_layout), apply_rope(k, rope, self.rope_layout)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        given = mask
         spans = self.document_spans(mask, cache, B, T, x.device)
         if spans is not None:
             return self.wo(self.attend_documents(q, k, v, spans).transpose(1, 2).reshape(B, T, -1))
         if isinstance(mask, DocumentSpans):
             # A compiled block would be recompiled for every new set of spans: it takes the dense mask.
             mask = dense_document_mask(mask.documents)
-        if self.window is not None:
+        # A mask the caller built is narrowed to the window by the Transformer, by token position
+        # (packed sequences that share a context are not contiguous); the causal rows, a cache's
+        # grid and the documents' spans by index, here.
+        if self.window is not None and (cache is not None or not isinstance(given, torch.Tensor)):
             mask = sliding_window_mask(mask, 0 if cache is None else cache.length, q.size(2), self.window)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, H_kv, S, D): the past and these positions
@@ -434,12 +438,26 @@ class Transformer(nn.Module):
             cache.begin(T)
             mask = cache.mask
         ropes = {table: self.positioned(table, positions, cache, T) for table in ("rope", "rope_local")}
+        windowed = {}
+        if cache is None and isinstance(mask, torch.Tensor):
+            windowed = self.windowed_masks(mask, positions)
         for key, layer in self.layers.items():
-            local = self.rope_local is not None and self.shape.window_of(int(key)) is not None
-            h = layer(h, ropes["rope_local" if local else "rope"], cache=cache, layer=key, mask=mask)
+            window = self.shape.window_of(int(key))
+            local = self.rope_local is not None and window is not None
+            h = layer(h, ropes["rope_local" if local else "rope"], cache=cache, layer=key,
+                      mask=windowed.get(window, mask))
         if cache is not None:
             cache.end(T)
         return self.norm(h) if self.norm is not None else h
+
+    def windowed_masks(self, mask: torch.Tensor, positions: torch.Tensor | None) -> dict[int, torch.Tensor]:
+        """`mask` (B, 1, T, T) narrowed to each sliding window of the model: a query sees the keys
+        less than the window behind it by position (by index where no positions are given)."""
+        if positions is None:
+            positions = torch.arange(mask.size(-1), device=mask.device)[None]  # (1, T)
+        behind = positions[:, None, :, None] - positions[:, None, None, :]  # (B, 1, T, T): query - key
+        windows = {self.shape.window_of(i) for i in range(self.shape.n_layers)} - {None}
+        return {window: mask & (behind < window) for window in windows}
 
     def positioned(self, table: str, positions: torch.Tensor | None, cache: KVCache | None,
                    T: int) -> torch.Tensor | None:

@@ -128,3 +128,21 @@ def test_a_model_of_a_family_trained_from_scratch_exports_with_its_rotary_pairs_
     x = tokens()
     with torch.no_grad():
         assert (scratch(x) - theirs(x).logits).abs().max().item() <= 1e-5
+
+
+def test_a_sliding_window_counts_positions_in_a_row_of_branches() -> None:
+    """The eval class packs a context with several continuations after it (each attending to the
+    context, not to the others): a window counts positions, not offsets in the row."""
+    theirs = hf_model("mistral")
+    ours, _ = import_hf(theirs)
+    context, first, second = tokens()[0, :10], tokens()[1, :4], tokens()[1, 4:8]
+    row = torch.cat([context, first, second])[None]  # (1, 18)
+    positions = torch.cat([torch.arange(10), torch.arange(10, 14), torch.arange(10, 14)])[None]
+    branch = torch.tensor([0] * 10 + [1] * 4 + [2] * 4)
+    index = torch.arange(18)
+    same_branch = (branch[:, None] == branch[None, :]) | (branch[None, :] == 0)  # the context is everyone's
+    visible = (index[:, None] >= index[None, :]) & same_branch
+    with torch.no_grad():
+        packed = ours.logits(ours.hidden_states(row, positions=positions, mask=visible[None, None]))
+        alone = theirs(torch.cat([context, second])[None]).logits
+    assert (packed[:, 14:] - alone[:, 10:]).abs().max().item() <= 1e-5
