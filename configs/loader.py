@@ -59,11 +59,16 @@ def read_raw(config_path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The YAML mapping, with `inherit: OTHER.yaml` resolved: the named config (a path relative
     to this file, or a shipped name) is read first and this file's keys replace its keys,
     section by section; a key (or a section) set to null here removes the inherited one, which
-    then takes its default."""
+    then takes its default. An inheriting file registers under its own name
+    (`forgeline-<file stem>`) unless it sets `registry.model_name`: its model is another one,
+    never a candidate against the parent's champion."""
     raw = read_own(config_path)
     parent = raw.pop("inherit", None)
     if parent is None:
         return raw
+    registry = raw.setdefault("registry", {})
+    if isinstance(registry, dict) and "model_name" not in registry:
+        registry["model_name"] = f"forgeline-{config_path.stem}"
     if config_path.resolve() in seen:
         raise ConfigError(f"{config_path}: `inherit` loops back to itself")
     sibling = config_path.parent / parent

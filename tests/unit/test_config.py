@@ -118,6 +118,18 @@ def test_a_null_in_the_child_removes_the_inherited_value(tmp_path: Path) -> None
     assert "init_from" not in cfg.model.model_fields_set and cfg.model.dim == 256
 
 
+def test_an_inheriting_config_registers_under_its_own_name(tmp_path: Path) -> None:
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("inherit: tiny.yaml\ndata:\n  out_dir: artifacts/data-mine\n")
+    assert load_config(mine).registry.model_name == "forgeline-mine"
+    assert load_config(mine, ["train.steps=300"]).registry.model_name == "forgeline-mine"  # its own line
+    named = tmp_path / "named.yaml"
+    named.write_text("inherit: mine.yaml\nregistry:\n  model_name: shakespeare-v2\n")
+    assert load_config(named).registry.model_name == "shakespeare-v2"
+    assert load_config("tiny.yaml").registry.model_name == "forgeline-tiny"
+    assert load_config("tiny-single.yaml").registry.model_name == "forgeline-tiny"  # says so itself
+
+
 def test_inherit_loop_is_reported(tmp_path: Path) -> None:
     (tmp_path / "a.yaml").write_text("inherit: b.yaml\n")
     (tmp_path / "b.yaml").write_text("inherit: a.yaml\n")
