@@ -96,7 +96,7 @@ SourceFormat = Literal["text", "messages", "instruction"]
 # Keys added with conversation sources, left out of a source's dump while they hold these defaults:
 # a text source dumps -- and so hashes (its snapshot's, the data manifest's) -- as before they existed.
 CONVERSATION_KEYS = {"format": None, "messages_field": "messages", "instruction_field": "instruction",
-                     "input_field": "input", "output_field": "output"}
+                     "input_field": "input", "output_field": "output", "system_field": "system", "roles": {}}
 
 
 SPLIT_SLICE = re.compile(r"(?P<name>[\w.-]+)(?:\[(?P<first>\d*):(?P<end>\d*)\])?")
@@ -142,7 +142,8 @@ class SourceConfig(Section):
 
     format: SourceFormat | None = None
     """What a record (jsonl line, parquet or dataset row) holds. `text`: a document, in
-    `text_field`. `messages`: a conversation, a list of {role, content} in `messages_field`.
+    `text_field`. `messages`: a conversation, a list of {role, content} in `messages_field` (content a
+    string or OpenAI's list of text parts; or ShareGPT's {from, value}: `messages_field: conversations`).
     `instruction`: one exchange -- the user's `instruction_field`, followed after a blank line by
     `input_field` where that is present and not empty, and the assistant's `output_field`.
     None: the kind's own (`chitchat`: conversations; the others: text). Conversations are what
@@ -162,6 +163,15 @@ class SourceConfig(Section):
 
     output_field: str = "output"
     """`format: instruction`: the field or column holding the assistant's response."""
+
+    system_field: str = "system"
+    """`format: instruction`: an optional field or column holding a system turn put first."""
+
+    roles: dict[str, str] = Field(default_factory=dict)
+    """Conversations: the source's role names (case-insensitive) and the roles they are, added to
+    the table of common names (tasks/data/sources.py ROLE_NAMES: human -> user; gpt, bot, model ->
+    assistant; function, ipython -> tool), e.g. {narrator: system}. A conversation with a role
+    that is none of system, user, assistant, tool after this is dropped (`unknown_role`)."""
 
     weight: float = Field(1.0, gt=0)
     """Mixing weight: each training document of this source is used `weight` times on average

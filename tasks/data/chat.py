@@ -57,8 +57,11 @@ class Rendered:
 
 def conversation_text(messages: list[Message]) -> str:
     """A conversation as the JSON text the data stage carries it in (its identity for the split,
-    mixing and dedup): roles and contents only, in order."""
-    return json.dumps([{"role": m["role"], "content": m["content"]} for m in messages], ensure_ascii=False)
+    mixing and dedup): roles and contents in order, and an assistant turn's tool calls where it
+    has them."""
+    return json.dumps([{"role": m["role"], "content": m["content"],
+                        **({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {})}
+                       for m in messages], ensure_ascii=False)
 
 
 def conversation_of(text: str) -> list[Message]:

@@ -4,8 +4,9 @@ duplicates across partitions).
 Per document, in order: binary check, UTF-8 validation (drop or repair), normalization,
 boilerplate lines removed, optional PII scrubbing, length bounds, a repetition filter; then the
 exact-dedup key and a MinHash signature. A conversation (`clean_conversation`) is checked for
-what makes it unusable -- invalid UTF-8, no content, an empty turn, no assistant turn or one
-that opens it -- its turns stripped of surrounding whitespace and optionally scrubbed of PII,
+what makes it unusable -- invalid UTF-8, a role none of system, user, assistant and tool
+(`unknown_role`), tool calls (not rendered yet), no content, an empty turn, no assistant turn or
+one that opens it -- its turns stripped of surrounding whitespace and optionally scrubbed of PII,
 and keyed on its roles and words; the line filters (boilerplate, repetition) and min_chars are
 for documents, not for the short turns of a chat. Across documents: exact dedup by the normalized text's
 hash, then near-dedup on the signatures' LSH bands, with the bands datasketch's MinHashLSH
@@ -31,6 +32,8 @@ MINHASH_SEED = 1
 MINHASH_SCHEME = "affine32"
 MINHASH_BATCH = 8192  # shingles hashed at a time
 WORD = re.compile(r"\w+")
+# The roles of a conversation (sources.py maps a source's names to them): chat templates know these.
+ROLES = frozenset({"system", "user", "assistant", "tool"})
 PII_PATTERNS = (
     ("<EMAIL>", re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}")),
     ("<IP>", re.compile(r"\b(?:(?:25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(?:25[0-5]|2[0-4]\d|1?\d?\d)\b")),
@@ -89,7 +92,12 @@ def clean_conversation(data: bytes | None, cfg: CleaningConfig, with_signature: 
     if decoded is None:
         return Cleaned("invalid_utf8")
     text, repaired = decoded
-    messages = [{"role": m["role"], "content": m["content"].strip()} for m in json.loads(text)]
+    turns = json.loads(text)
+    if any(m["role"] not in ROLES for m in turns):
+        return Cleaned("unknown_role")  # rendered, it would be a role the model never sees in use
+    if any(m.get("tool_calls") for m in turns):
+        return Cleaned("tool_calls")  # the calls are not rendered yet: the turn would train as empty
+    messages = [{"role": m["role"], "content": m["content"].strip()} for m in turns]
     if not any(m["content"] for m in messages):
         return Cleaned("empty")
     if not all(m["content"] for m in messages):

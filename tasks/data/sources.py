@@ -56,6 +56,12 @@ CHITCHAT_FILE = "dataset.json"  # in the chitchat_dataset package
 # be large, so a batch, not the file, bounds the memory a reader holds.
 BATCH_ROWS = 1024
 
+# Role names of common conversation datasets (ShareGPT's human/gpt, Gemma's model, ...) as the
+# chat templates name them; a source's `roles` adds to it. Looked up lower-cased.
+ROLE_NAMES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
+              "gpt": "assistant", "bot": "assistant", "model": "assistant", "chatgpt": "assistant",
+              "tool": "tool", "function": "tool", "ipython": "tool"}
+
 # A file of a `files` source: a local Path, or the URL (str) of an object read through fsspec.
 SourceFile = Path | str
 
@@ -358,33 +364,73 @@ def check_column(source: SourceConfig, columns: Collection[str]) -> None:
 def record_columns(source: SourceConfig, columns: Collection[str]) -> list[str]:
     """The columns a row of the source is read from: its format's, and an instruction's optional
     input where there is one."""
-    optional = [source.input_field] if source.record_format == "instruction" else []
+    optional = [source.input_field, source.system_field] if source.record_format == "instruction" else []
     return source.record_fields + [column for column in optional if column in columns]
 
 
 def expected_record(source: SourceConfig) -> str:
     return {"text": f"with a {source.text_field!r} string",
-            "messages": f"with a {source.messages_field!r} list of {{role, content}} strings",
+            "messages": f"with a {source.messages_field!r} list of {{role, content}} or {{from, value}} "
+                        "messages",
             "instruction": f"with {source.instruction_field!r} and {source.output_field!r} strings (and "
-                           f"optionally {source.input_field!r})"}[source.record_format]
+                           f"optionally {source.input_field!r} and {source.system_field!r})",
+            }[source.record_format]
 
 
-def conversation_record(source: SourceConfig, record: dict) -> list[dict[str, str]]:
-    """The conversation of a record of a `messages` or `instruction` source: its roles and contents."""
+def conversation_record(source: SourceConfig, record: dict) -> list[dict]:
+    """The conversation of a record of a `messages` or `instruction` source: its roles, named as
+    the chat template names them (`role_name`), and contents; an assistant turn's `tool_calls`
+    kept beside them."""
     if source.record_format == "messages":
         messages = record[source.messages_field]
-        if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise TypeError(f"{source.messages_field!r} is not a list of {{role, content}} strings")
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
+        if not isinstance(messages, list):
+            raise TypeError(f"{source.messages_field!r} is not a list of messages")
+        return [conversation_message(source, message) for message in messages]
     instruction, output = record[source.instruction_field], record[source.output_field]
-    context = record.get(source.input_field) or ""
-    if not all(isinstance(value, str) for value in (instruction, output, context)):
-        raise TypeError(f"{source.instruction_field!r}, {source.input_field!r} and {source.output_field!r} "
-                        "must be strings")
+    context, system = record.get(source.input_field) or "", record.get(source.system_field) or ""
+    if not all(isinstance(value, str) for value in (instruction, output, context, system)):
+        raise TypeError(f"{source.instruction_field!r}, {source.input_field!r}, {source.system_field!r} and "
+                        f"{source.output_field!r} must be strings")
     user = f"{instruction}\n\n{context}" if context.strip() else instruction
-    return [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    return [*([{"role": "system", "content": system}] if system else []),
+            {"role": "user", "content": user}, {"role": "assistant", "content": output}]
+
+
+def conversation_message(source: SourceConfig, message: object) -> dict:
+    """A message of the OpenAI shape ({role, content}, the content a string or a list of text
+    parts, an assistant's `tool_calls`) or of ShareGPT's ({from, value})."""
+    if not isinstance(message, dict):
+        raise TypeError(f"a message is {type(message).__name__}, not an object")
+    sharegpt = "from" in message and "role" not in message
+    role, content = ((message["from"], message["value"]) if sharegpt
+                     else (message["role"], message.get("content")))
+    if not isinstance(role, str):
+        raise TypeError(f"a message's role is {role!r}, not a string")
+    out = {"role": role_name(role, source.roles), "content": message_content(content)}
+    if message.get("tool_calls"):
+        out["tool_calls"] = message["tool_calls"]
+    return out
+
+
+def role_name(role: str, extra: dict[str, str]) -> str:
+    """A source's name for a role as the chat templates name it: the source's own `roles` first,
+    then ROLE_NAMES, both case-insensitively; an unknown name is kept, and cleaning drops its
+    conversation (`unknown_role`)."""
+    key = role.strip().lower()
+    table = {**ROLE_NAMES, **{name.lower(): value for name, value in extra.items()}}
+    return table.get(key, role)
+
+
+def message_content(content: object) -> str:
+    """A message's text: a string, or the text parts of an OpenAI list of content parts, joined
+    (None: no text, as an assistant turn that only calls tools has)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        if kinds := sorted({part.get("type") for part in content} - {"text"}, key=str):
+            raise TypeError(f"content parts of type {kinds}: only text parts are read")
+        return "".join(part["text"] for part in content)
+    raise TypeError(f"a message's content is {type(content).__name__}, not a string or a list of parts")
 
 
 def chitchat_file() -> Path:

@@ -179,7 +179,7 @@ def test_sft_trains_on_conversations_only(tmp_path: Path) -> None:
 
 def test_a_record_not_of_its_format_names_its_line(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "Hi"}]},
-                                               {"messages": [{"from": "human", "value": "Hi"}]}])
+                                               {"messages": [{"role": "user", "content": 3}]}])
     with pytest.raises(SourceError, match=r"bad.jsonl:2: not a JSON object with a 'messages' list of"):
         list(read_source(SourceConfig(kind="files", path=str(path), format="messages"), 10**6))
 
@@ -191,3 +191,55 @@ def test_the_shipped_chats_are_conversations_of_two_alternating_speakers() -> No
                for chat in chats for n, message in enumerate(chat))
     assert sum(len(chat) > 1 for chat in chats) == 4018  # the others hold one speaker's messages only
     assert "(MIT)" in SourceConfig(kind="chitchat").provenance
+
+
+def read_conversations(tmp_path: Path, records: list[dict], **source: object) -> list[list[dict]]:
+    path = write_jsonl(tmp_path / "records.jsonl", records)
+    config = SourceConfig(kind="files", path=str(path), **{"format": "messages", **source})
+    return [json.loads(doc.data) for doc in read_source(config, 10**6)]
+
+
+def test_sharegpt_records_and_their_role_names_are_read_as_conversations(tmp_path: Path) -> None:
+    record = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                                {"from": "gpt", "value": "Hello"}, {"from": "Human", "value": "Bye"},
+                                {"from": "model", "value": "Bye!"}]}
+    [chat] = read_conversations(tmp_path, [record], messages_field="conversations")
+    assert [m["role"] for m in chat] == ["system", "user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in chat] == ["Be brief.", "Hi", "Hello", "Bye", "Bye!"]
+
+
+def test_openai_content_parts_and_case_insensitive_roles_are_read(tmp_path: Path) -> None:
+    record = {"messages": [{"role": "USER", "content": [{"type": "text", "text": "Two "},
+                                                        {"type": "text", "text": "parts"}]},
+                           {"role": "Assistant", "content": "One reply"}]}
+    [chat] = read_conversations(tmp_path, [record])
+    assert chat == [{"role": "user", "content": "Two parts"}, {"role": "assistant", "content": "One reply"}]
+
+
+def test_a_source_extends_the_role_table_and_an_unknown_role_drops_its_conversation(tmp_path: Path) -> None:
+    record = {"messages": [{"role": "customer", "content": "Hi"}, {"role": "agent", "content": "Hello"}]}
+    [mapped] = read_conversations(tmp_path, [record], roles={"Customer": "user", "AGENT": "assistant"})
+    assert [m["role"] for m in mapped] == ["user", "assistant"]
+    [unmapped] = read_conversations(tmp_path, [record])
+    cleaned = clean_conversation(json.dumps(unmapped).encode(), CleaningConfig(), with_signature=False)
+    assert cleaned.removed_by == "unknown_role"
+
+
+def test_an_assistant_turn_with_tool_calls_is_read_and_dropped_with_its_reason(tmp_path: Path) -> None:
+    call = {"id": "1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    record = {"messages": [{"role": "user", "content": "Weather?"},
+                           {"role": "assistant", "content": None, "tool_calls": [call]},
+                           {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]}
+    [chat] = read_conversations(tmp_path, [record])
+    assert chat[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    cleaned = clean_conversation(json.dumps(chat).encode(), CleaningConfig(), with_signature=False)
+    assert cleaned.removed_by == "tool_calls"
+
+
+def test_alpaca_records_with_a_system_field_are_read(tmp_path: Path) -> None:
+    records = [{"instruction": "Add", "input": "2 and 3", "output": "5", "system": "Be exact."},
+               {"instruction": "Greet", "output": "Hi"}]
+    chats = read_conversations(tmp_path, records, format="instruction")
+    assert chats == [[{"role": "system", "content": "Be exact."},
+                      {"role": "user", "content": "Add\n\n2 and 3"}, {"role": "assistant", "content": "5"}],
+                     [{"role": "user", "content": "Greet"}, {"role": "assistant", "content": "Hi"}]]
