@@ -9,6 +9,7 @@
     forgeline config show [--config PATH] [--set ...] [--docs]
     forgeline plan --nodes N --accelerators-per-node K --memory-gib G [...] [--write-config OUT]
     forgeline checkpoints {list,verify,rollback,export} [...]
+    forgeline clean PATH... [--outside-artifacts]   (remove checkpoint or run directories the user names)
     forgeline promote [--version V] [--force]   (move alias `champion` if the eval gate passes)
     forgeline compare RUN_ID RUN_ID... [--diff-only]
     forgeline deploy [--prefect-file prefect.yaml] [--workdir DIR] [--pool NAME]
@@ -143,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print every section and field with its default and meaning instead")
     add_plan_parser(verbs)
     add_checkpoints_parser(verbs)
+    add_clean_parser(verbs)
     add_registry_parsers(verbs)
     add_talk_parsers(verbs)
     deploy = verbs.add_parser(
@@ -275,6 +277,17 @@ def add_checkpoints_parser(verbs: argparse._SubParsersAction) -> None:
     export.add_argument("--format", choices=("bundle", "hf"), default="bundle",
                         help="bundle: safetensors + architecture + tokenizer for forgeline; hf: a "
                              "directory transformers' AutoModelForCausalLM.from_pretrained loads")
+
+
+def add_clean_parser(verbs: argparse._SubParsersAction) -> None:
+    clean = verbs.add_parser(
+        "clean", help="remove checkpoint, stage output or run directories you name",
+        description="Remove each PATH (a checkpoint directory, a stage's output directory, a run's "
+                    "directory), all checked first: nothing is removed if one is missing or lies outside "
+                    "artifacts/.")
+    clean.add_argument("paths", nargs="+", metavar="PATH", type=Path)
+    clean.add_argument("--outside-artifacts", action="store_true",
+                       help="also remove paths outside artifacts/ (outputs a config placed elsewhere)")
 
 
 def add_plan_parser(verbs: argparse._SubParsersAction) -> None:
@@ -653,6 +666,14 @@ def plan_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+def clean_outputs(args: argparse.Namespace) -> int:
+    from forgeline.tasks.clean import clean
+
+    for path in clean(args.paths, args.outside_artifacts):
+        print(f"removed {path}")
+    return 0
+
+
 def manage_checkpoints(args: argparse.Namespace) -> int:
     from forgeline.model.training.outputs import TrainOutputs
     from forgeline.tasks.train import versions
@@ -796,7 +817,8 @@ def run_lm_eval(lm_eval_args: list[str]) -> int:
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": run_pipeline, "stage": rerun_stage, "status": show_status, "stages": show_stages,
     "config": show_config,
-    "plan": plan_layout, "checkpoints": manage_checkpoints, "promote": promote_version,
+    "plan": plan_layout, "checkpoints": manage_checkpoints, "clean": clean_outputs,
+    "promote": promote_version,
     "compare": compare_runs, "reproduce": reproduce_run, "deploy": deploy_flows, "sync": sync_pending,
     "generate": generate_text, "chat": chat_with_model,
 }

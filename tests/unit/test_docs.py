@@ -233,6 +233,7 @@ NOT_RUN_HERE = {
     "run": "trains a model, minutes (tests/integration runs the pipeline)",
     "stage": "runs a stage, minutes (tests/integration)",
     "checkpoints": "needs an earlier run's checkpoints",
+    "clean": "needs an earlier run's outputs to remove (tests/unit/test_clean.py)",
     "promote": "needs registered versions",
     "compare": "needs MLflow runs (RUN_A RUN_B)",
     "reproduce": "needs an MLflow run, and reruns it",
