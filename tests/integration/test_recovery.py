@@ -128,10 +128,11 @@ def test_too_many_rollbacks_fail_with_a_report(data_root: Path, tmp_path: Path) 
 def test_hang_is_dumped_and_restarted(data_root: Path, tmp_path: Path,
                                       caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
-    started = time.monotonic()
     result = train_model(config(data_root, tmp_path, "train.hang_timeout_s=5",
                                 fault("HangBefore", tmp_path, step=12, rank=1)))
-    assert result.step == STEPS and time.monotonic() - started < 120
+    # That the watchdog, not something slower, ended the hang is shown by its dumps below, not by
+    # a wall-clock bound: the run's own length depends on the machine's load.
+    assert result.step == STEPS
     assert caplog.text.count("Timeout (0:00:05)!") == 2  # the hung rank and the one waiting on it
     # Each rank's dump logged whole (on one stream, the ranks' dumps interleaved mid-line).
     [hung] = [r.message for r in caplog.records if "(train.hang_timeout_s); its threads" in r.message

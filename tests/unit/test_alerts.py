@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -20,12 +21,10 @@ from tests.integration.helpers import free_port
 
 
 class FakeBlock:
-    def __init__(self, delay_s: float = 0.0) -> None:
+    def __init__(self) -> None:
         self.posts: list[tuple[str, str]] = []
-        self.delay_s = delay_s
 
     def notify(self, body: str, subject: str | None = None) -> None:
-        time.sleep(self.delay_s)
         self.posts.append((subject, body))
 
 
@@ -172,15 +171,34 @@ def test_a_block_that_does_not_load_costs_a_warning_and_is_tried_again(
     assert [s for s, _ in block.posts] == [f"forgeline alert: hang on rank 1 ({socket.gethostname()})"]
 
 
+class GatedBlock:
+    """A block whose posts hang until the test opens the gate (at most GATE_S: code that waited
+    on a post would see it finish, and the assertions on `posts` would fail, not hang)."""
+
+    GATE_S = 60.0
+
+    def __init__(self) -> None:
+        self.posts: list[tuple[str, str]] = []
+        self.gate = threading.Event()
+
+    def notify(self, body: str, subject: str | None = None) -> None:
+        self.gate.wait(self.GATE_S)
+        self.posts.append((subject, body))
+
+
 def test_the_caller_never_waits_on_a_post_and_close_waits_a_bounded_time(
         caplog: pytest.LogCaptureFixture) -> None:
-    block = FakeBlock(delay_s=30)
+    # Shown by order, not by a wall-clock figure a loaded machine could miss: every call returns
+    # while the posts it made are still held at the gate.
+    block = GatedBlock()
     alerts = forwarder(block, interval_s=0, close_timeout_s=0.5)
-    started = time.monotonic()
-    for step in range(5):
-        alerts.on_line(make_alert("straggler", "slow", step=step, rank=1, host="node-b").line())
-    assert time.monotonic() - started < 0.5
-    alerts.close()
-    assert time.monotonic() - started < 5
+    try:
+        for step in range(5):
+            alerts.on_line(make_alert("straggler", "slow", step=step, rank=1, host="node-b").line())
+        assert block.posts == []
+        alerts.close()
+        assert block.posts == []
+    finally:
+        block.gate.set()
     # One in flight, four waiting; the poster (a daemon) is left to its post.
     assert "gave up on 5 training alert(s) to custom-webhook/alerts not posted within 0.5 s" in caplog.text
