@@ -99,6 +99,9 @@ CONVERSATION_KEYS = {"format": None, "messages_field": "messages", "instruction_
                      "input_field": "input", "output_field": "output", "system_field": "system", "roles": {}}
 
 
+MAX_DROPPED_FRACTION = 0.05  # data.max_dropped_fraction's default, left out of the dump
+
+
 SPLIT_SLICE = re.compile(r"(?P<name>[\w.-]+)(?:\[(?P<first>\d*):(?P<end>\d*)\])?")
 
 
@@ -314,6 +317,13 @@ class DataConfig(Section):
     """Fine-tuning (`sft`): the Jinja chat template conversations are rendered with -- a path to a
     `.jinja` file, or the template itself; None: the run's tokenizer's own (the base's)."""
 
+    max_dropped_fraction: float = Field(MAX_DROPPED_FRACTION, ge=0, le=1)
+    """Fine-tuning (`sft`): the share of a source's conversations it may lose -- to an unknown
+    role, an empty turn, a template that rejects it, ... (each counted by reason in the manifest
+    and logged per source) -- before the data stage fails, naming the counts and three of them.
+    Duplicates and conversations with no assistant turn (one speaker's messages: nothing to
+    learn) are reported but not counted."""
+
     out_dir: str = "artifacts/data"
     """Where the tokenizer, shards and manifest.json are written."""
 
@@ -376,11 +386,13 @@ class DataConfig(Section):
 
     @model_serializer(mode="wrap")
     def _dump_without_an_unset_template(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A config that sets no template dumps -- and so hashes (the data manifest's, the stage
-        cache's) -- as before the key existed."""
+        """A config that sets no template and keeps the default drop limit dumps -- and so hashes
+        (the data manifest's, the stage cache's) -- as before the keys existed."""
         dump = handler(self)
         if dump.get("chat_template") is None:
             dump.pop("chat_template", None)
+        if dump.get("max_dropped_fraction") == MAX_DROPPED_FRACTION:
+            dump.pop("max_dropped_fraction", None)
         return dump
 
 

@@ -160,7 +160,7 @@ def build_from_snapshot(cfg: Config) -> DataResult:
         stats = {source.label: source_entry(source, plan.conversations) for source in dcfg.sources}
         work = [w.PartitionWork(n, tuple(partition), plan) for n, partition in enumerate(partitions)]
         cleaned = executor.map("clean", w.clean_partition, work)
-        count_filters(plan, cleaned, stats)
+        examples = count_filters(plan, cleaned, stats)
         removed = deduplicate(plan, executor, len(partitions))
         documents = count_kept(plan, len(partitions), removed, stats)
         log.info("data: %d documents read, cleaned and deduplicated at %.1f s", documents["all"],
@@ -185,7 +185,7 @@ def build_from_snapshot(cfg: Config) -> DataResult:
                       for split in pieces}
         splits, writing = {}, {}
         for split, submitted in tokenizing.items():
-            tokens = count_tokens(plan, submitted.results(), split, stats)
+            tokens = count_tokens(plan, submitted.results(), split, stats, examples)
             stems = tuple(str(piece.stem) for piece in pieces[split])
             packing = str(Path(plan.work_dir, f"packing-{split}")) if chat else None
             samples = (w.write_packing(Path(packing), stems, chat.row_tokens) if chat
@@ -198,6 +198,8 @@ def build_from_snapshot(cfg: Config) -> DataResult:
             splits[split] = {"documents": documents[split], "tokens": tokens, "samples": samples}
             if chat:
                 splits[split]["loss_tokens"] = loss_tokens(plan, split, stats)
+        if chat:
+            check_dropped(stats, examples, dcfg.max_dropped_fraction)
         for split, submitted in writing.items():
             splits[split]["shards"] = shard_entries(submitted.results(), split, plan, stats)
         log.info("data: tokenizer ready, documents tokenized and packed at %.1f s",
@@ -257,8 +259,14 @@ def dedup_buckets(members: list[Member], dcfg: DataConfig, num_workers: int) -> 
     return max(num_workers, -(-documents * per_document // RECORDS_PER_BUCKET))
 
 
-def count_filters(plan: w.Plan, cleaned: list[w.CleanSummary], stats: dict[str, dict]) -> None:
+def count_filters(plan: w.Plan, cleaned: list[w.CleanSummary],
+                  stats: dict[str, dict]) -> dict[str, list[str]]:
+    """Adds the partitions' input and removals to `stats`; returns per source the first removed
+    documents, named with their reason."""
+    examples: dict[str, list[str]] = {label: [] for label in plan.labels}
     for summary in cleaned:
+        for source, named in summary.examples.items():
+            examples[plan.labels[source]] = (examples[plan.labels[source]] + named)[:w.EXAMPLES]
         for source, count in summary.input_documents.items():
             stats[plan.labels[source]]["input"]["documents"] += count
             stats[plan.labels[source]]["input"]["bytes"] += summary.input_bytes[source]
@@ -266,6 +274,7 @@ def count_filters(plan: w.Plan, cleaned: list[w.CleanSummary], stats: dict[str, 
             removed = stats[plan.labels[source]]["removed"]
             for reason, count in counts.items():
                 removed[reason] = removed.get(reason, 0) + count
+    return examples
 
 
 def deduplicate(plan: w.Plan, executor: Executor, partitions: int) -> dict[str, np.ndarray]:
@@ -338,19 +347,51 @@ def training_texts(plan: w.Plan, partitions: int) -> Iterator[tuple[str, str]]:
             yield record[3], record[4]
 
 
-def count_tokens(plan: w.Plan, counts: list[dict[int, list[int]]], split: str, stats: dict[str, dict]) -> int:
+def count_tokens(plan: w.Plan, counts: list[dict[int, list]], split: str, stats: dict[str, dict],
+                 examples: dict[str, list[str]]) -> int:
     """Adds each source's documents and tokens of the split's pieces (and for conversations, those
-    truncated and their loss tokens) to `stats`; returns the split's tokens."""
+    truncated, their loss tokens and those the template rejected, with examples) to `stats`;
+    returns the split's tokens."""
     tokens = 0
     for piece in counts:
         for source, (documents, source_tokens, *conversations) in piece.items():
-            entry = stats[plan.labels[source]]
+            label = plan.labels[source]
+            entry = stats[label]
             entry[f"{split}_documents"] += documents
             entry[f"{split}_tokens"] += source_tokens
-            for key, value in zip(("truncated", "loss_tokens"), conversations, strict=False):
-                entry[f"{split}_{key}"] += value
+            if conversations:
+                truncated, loss, rejected, named = conversations
+                entry[f"{split}_truncated"] += truncated
+                entry[f"{split}_loss_tokens"] += loss
+                if rejected:
+                    entry["kept"] -= rejected
+                    removed = entry["removed"]
+                    removed["template_rejects"] = removed.get("template_rejects", 0) + rejected
+                    examples[label] = (examples[label] + named)[:w.EXAMPLES]
             tokens += source_tokens
     return tokens
+
+
+def check_dropped(stats: dict[str, dict], examples: dict[str, list[str]], max_fraction: float) -> None:
+    """Logs per source the conversations dropped, by reason; fails when a source loses more than
+    `max_fraction` of its conversations to reasons other than ALLOWED_DROPS, before any training
+    on what is left."""
+    for label, entry in stats.items():
+        read, removed = entry["input"]["documents"], entry["removed"]
+        counted = sum(count for reason, count in removed.items() if reason not in ALLOWED_DROPS)
+        log.info("data: source %s: %d conversations read, %d kept, dropped %s", label, read, entry["kept"],
+                 dict(sorted(removed.items())))
+        if read and counted / read > max_fraction:
+            raise ValueError(
+                f"data source {label} loses {counted} of its {read} conversations ({counted / read:.1%}), "
+                f"more than data.max_dropped_fraction={max_fraction}: dropped "
+                f"{dict(sorted(removed.items()))}; e.g. {examples[label]}. Fix the records (role names: "
+                "the source's `roles`), or raise data.max_dropped_fraction")
+
+
+# Drops that lose nothing a model could learn from -- a copy of a kept conversation, one with no
+# assistant turn (a single speaker's messages) -- are reported but count against no limit.
+ALLOWED_DROPS = frozenset({"exact_duplicate", "near_duplicate", "no_assistant_turn"})
 
 
 def loss_tokens(plan: w.Plan, split: str, stats: dict[str, dict]) -> int:

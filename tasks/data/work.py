@@ -53,6 +53,8 @@ SUMMARY = np.dtype([("doc", "<i8"), ("source", "<i2"), ("val", "?"), ("repaired"
                     ("boilerplate_lines", "<i8"), ("pii_replaced", "<i8")])
 PIECE_DOCS = np.dtype([("length", "<i8"), ("source", "<i2")])  # per tokenized document
 # Per rendered conversation of a piece: beside its length and source, what the manifest counts.
+# Dropped conversations named per source, for the error of a source that loses too many.
+EXAMPLES = 3
 PIECE_CONVERSATIONS = np.dtype([("length", "<i8"), ("source", "<i2"), ("truncated", "?"),
                                 ("loss_tokens", "<i8")])
 
@@ -157,6 +159,7 @@ class CleanSummary:
     input_documents: dict[int, int]
     input_bytes: dict[int, int]
     removed: dict[int, dict[str, int]]
+    examples: dict[int, list[str]]  # of what was removed: "name: reason", the first EXAMPLES
 
 
 # -- 1. cleaning ---------------------------------------------------------------------------------
@@ -167,7 +170,7 @@ def clean_partition(work: PartitionWork) -> CleanSummary:
     out = plan.partition_dir(work.number)
     out.mkdir(parents=True, exist_ok=True)
     code = {label: index for index, label in enumerate(plan.labels)}
-    summary = CleanSummary({}, {}, {})
+    summary = CleanSummary({}, {}, {}, {})
     kept: list[tuple[int, int, Cleaned, str]] = []
     clean = clean_conversation if plan.conversations else clean_document
     for member in work.members:
@@ -179,6 +182,7 @@ def clean_partition(work: PartitionWork) -> CleanSummary:
             if cleaned.removed_by is not None:
                 counts = summary.removed.setdefault(source, {})
                 counts[cleaned.removed_by] = counts.get(cleaned.removed_by, 0) + 1
+                add_example(summary.examples, source, f"{raw.name}: {cleaned.removed_by}")
                 continue
             kept.append((member.first + offset, source, cleaned, raw.name))
     val = [is_val(c.sha256, plan.val_fraction) for _, _, c, _ in kept]
@@ -201,6 +205,12 @@ def clean_partition(work: PartitionWork) -> CleanSummary:
                     for copy in range(copies_of(c.sha256, plan.weights[source])))
     write_ranges(out / "train", copies, plan.ranges)
     return summary
+
+
+def add_example(examples: dict[int, list[str]], source: int, example: str) -> None:
+    mine = examples.setdefault(source, [])
+    if len(mine) < EXAMPLES:
+        mine.append(example)
 
 
 def is_val(sha256: str, val_fraction: float) -> bool:
@@ -375,19 +385,22 @@ def tokenize_piece(work: PieceWork) -> dict[int, list[int]]:
 
 
 def render_piece(work: PieceWork, texts_sources: list[tuple[str, int]], names: list[str],
-                 ) -> dict[int, list[int]]:
+                 ) -> dict[int, list]:
     """The piece's conversations rendered through the chat template, each cut to a row: their
     token ids and loss masks one after the other, and per conversation its length, source,
     whether it was cut and its loss tokens; the validation split's conversations also as text
-    (val_docs.jsonl). Returns per source index [conversations, tokens, truncated, loss tokens]."""
+    (val_docs.jsonl). A conversation the template rejects is dropped, not the stage. Returns per
+    source index [conversations, tokens, truncated, loss tokens, rejected, examples of those]."""
     plan, tokenizer = work.plan, load_chat_tokenizer(work.chat.tokenizer)
-    rendered = []
+    rendered, rejected, examples, kept = [], {}, {}, []
     for (text, source), name in zip(texts_sources, names, strict=True):
-        messages = conversation_of(text)
         try:
-            rendered.append(render(tokenizer, messages, work.chat.row_tokens))
+            rendered.append(render(tokenizer, conversation_of(text), work.chat.row_tokens))
+            kept.append(((text, source), name))
         except ChatTemplateError as err:
-            raise ChatTemplateError(f"{name} of {plan.labels[source]}: {err}") from None
+            rejected[source] = rejected.get(source, 0) + 1
+            add_example(examples, source, f"{name}: template_rejects ({err})")
+    texts_sources, names = [pair for pair, _ in kept], [name for _, name in kept]
     if work.split == "val":
         write_bytes(work.stem.with_suffix(".jsonl"), "".join(
             json.dumps({"source": plan.labels[source], "name": name, "text": chat.text,
@@ -401,11 +414,12 @@ def render_piece(work: PieceWork, texts_sources: list[tuple[str, int]], names: l
     write_array(Path(f"{work.stem}.mask.npy"), np.concatenate(
         [chat.mask for chat in rendered] or [np.zeros(0, np.uint8)]))
     write_array(Path(f"{work.stem}.docs.npy"), docs)
-    counts: dict[int, list[int]] = {}
-    for source in np.unique(docs["source"]):
+    counts: dict[int, list] = {}
+    for source in {*np.unique(docs["source"]).tolist(), *rejected}:
         mine = docs[docs["source"] == source]
         counts[int(source)] = [len(mine), int(mine["length"].sum()), int(mine["truncated"].sum()),
-                               int(mine["loss_tokens"].sum())]
+                               int(mine["loss_tokens"].sum()), rejected.get(source, 0),
+                               examples.get(source, [])]
     return counts
 
 

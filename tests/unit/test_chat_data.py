@@ -28,7 +28,7 @@ from forgeline.model.training.shards import (
     read_manifest,
     split_shards,
 )
-from forgeline.tasks.data.build import build_dataset
+from forgeline.tasks.data.build import build_dataset, check_dropped
 from forgeline.tasks.data.chat import ChatTemplateError, conversation_of, load_chat_tokenizer, render
 from forgeline.tasks.data.clean import clean_conversation
 from forgeline.tasks.data.sources import SourceError, read_source
@@ -243,3 +243,37 @@ def test_alpaca_records_with_a_system_field_are_read(tmp_path: Path) -> None:
     assert chats == [[{"role": "system", "content": "Be exact."},
                       {"role": "user", "content": "Add\n\n2 and 3"}, {"role": "assistant", "content": "5"}],
                      [{"role": "user", "content": "Greet"}, {"role": "assistant", "content": "Hi"}]]
+
+
+STRICT_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'tool' %}"
+                   "{{ raise_exception('no tool turns') }}{% endif %}"
+                   "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+                   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_conversation_the_template_rejects_is_dropped_and_counted_not_the_stage(tmp_path: Path) -> None:
+    chats = shipped_chats(30)
+    tool = [chats[0][0], {"role": "tool", "content": "{}"}, *chats[0][1:]]
+    path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in [*chats[1:], tool]])
+    source = {"kind": "files", "path": str(path), "format": "messages", "name": "chats"}
+    cfg = debug_config(tmp_path, f"data.sources={json.dumps([source])}", "sft.lora=null",
+                       f"data.tokenizer_path={smollm2_tokenizer_dir()}", f"data.seq_len={SEQ_LEN}",
+                       "data.val_fraction=0.2", f"data.chat_template={json.dumps(STRICT_TEMPLATE)}")
+    build_dataset(cfg)
+    entry = read_manifest(Path(cfg.data.out_dir))["sources"]["chats"]
+    assert entry["removed"] == {"template_rejects": 1} and entry["kept"] == 29
+    assert entry["train_documents"] + entry["val_documents"] == 29
+
+
+def test_a_source_that_loses_too_many_conversations_fails_with_counts_and_examples(caplog) -> None:
+    stats = {"chats": {"input": {"documents": 100}, "kept": 40,
+                       "removed": {"unknown_role": 6, "no_assistant_turn": 50, "exact_duplicate": 4}},
+             "other": {"input": {"documents": 10}, "kept": 10, "removed": {}}}
+    examples = {"chats": ["a.jsonl:1: unknown_role", "a.jsonl:2: unknown_role", "a.jsonl:3: unknown_role"],
+                "other": []}
+    with caplog.at_level("INFO", logger="forgeline"):
+        check_dropped(stats, examples, max_fraction=0.06)  # 6 %: no_assistant_turn and duplicates allowed
+    assert "source chats: 100 conversations read, 40 kept, dropped {'exact_duplicate': 4, " in caplog.text
+    with pytest.raises(ValueError, match=r"chats loses 6 of its 100 conversations \(6.0%\), more than "
+                                         r"data.max_dropped_fraction=0.05.*'a.jsonl:3: unknown_role'"):
+        check_dropped(stats, examples, max_fraction=0.05)
