@@ -113,10 +113,7 @@ def render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], max_toke
             _check_turn(messages, i)
     renderer = functools.partial(_render_text, tokenizer, chat_template)
     text = renderer(messages)
-    # Through the tokenizer's own call, not its backend's encode: a call with truncation (such as
-    # apply_chat_template's) leaves the backend set to truncate.
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    all_ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    all_ids, offsets = _encode(tokenizer, text, messages)
     truncated = max_tokens is not None and len(all_ids) > max_tokens
     kept = max_tokens if truncated else len(all_ids)
     # Turns are located up to the last kept character only: a long conversation cut to a row costs
@@ -130,6 +127,38 @@ def render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], max_toke
         spans.append(_assistant_span(renderer, messages, i, prompt, text, _special_tokens(tokenizer)))
     ids, mask = np.array(all_ids[:kept], np.int64), _token_mask(offsets[:kept], spans)
     return Rendered(text, ids, mask, truncated)
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str, messages: list[Message],
+            ) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids and character offsets of `text`, the special tokens the template writes parsed as
+    such, but a turn's content always tokenized as text: a reply that spells `<|im_end|>` must not
+    train an end of turn in mid-reply, nor a user turn forge a header. Content without a special
+    token's text is left to the whole text's tokenization (the same ids as transformers')."""
+    special_tokens = _special_tokens(tokenizer)
+    pieces, cursor, done = [], 0, 0  # pieces: (start, end, tokenized as text), in order
+    for message in messages:
+        content = message["content"]
+        start = text.find(content, cursor) if content else -1
+        forged = any(token in content for token in special_tokens)
+        if forged and start < 0:
+            raise ChatTemplateError("a turn spells a special token and the chat template rewrites its "
+                                    "text, so it cannot be kept from becoming a control token")
+        if start >= 0:
+            cursor = start + len(content)
+        if forged:
+            pieces += [(done, start, False), (start, cursor, True)]
+            done = cursor
+    pieces.append((done, len(text), False))
+    ids, offsets = [], []
+    for start, end, as_text in pieces:
+        # Through the tokenizer's own call, not its backend's encode: a call with truncation (such
+        # as apply_chat_template's) leaves the backend set to truncate.
+        encoding = tokenizer(text[start:end], add_special_tokens=False, return_offsets_mapping=True,
+                             split_special_tokens=as_text)
+        ids += encoding["input_ids"]
+        offsets += [(start + first, start + last) for first, last in encoding["offset_mapping"]]
+    return ids, offsets
 
 
 def _render_text(tokenizer: PreTrainedTokenizerBase, chat_template: str | None, messages: list[Message],
