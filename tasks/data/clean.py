@@ -6,7 +6,8 @@ boilerplate lines removed, optional PII scrubbing, length bounds, a repetition f
 exact-dedup key and a MinHash signature. A conversation (`clean_conversation`) is checked for
 what makes it unusable -- invalid UTF-8, a role none of system, user, assistant and tool
 (`unknown_role`), tool calls (not rendered yet), no content, an empty turn, no assistant turn or
-one that opens it -- its turns stripped of surrounding whitespace and optionally scrubbed of PII,
+one that opens it, no user turn -- its whitespace kept, an empty system turn left out,
+optionally scrubbed of PII,
 and keyed on its roles and words; the line filters (boilerplate, repetition) and min_chars are
 for documents, not for the short turns of a chat. Across documents: exact dedup by the normalized text's
 hash, then near-dedup on the signatures' LSH bands, with the bands datasketch's MinHashLSH
@@ -97,14 +98,19 @@ def clean_conversation(data: bytes | None, cfg: CleaningConfig, with_signature: 
         return Cleaned("unknown_role")  # rendered, it would be a role the model never sees in use
     if any(m.get("tool_calls") for m in turns):
         return Cleaned("tool_calls")  # the calls are not rendered yet: the turn would train as empty
-    messages = [{"role": m["role"], "content": m["content"].strip()} for m in turns]
-    if not any(m["content"] for m in messages):
+    # Whitespace inside a turn is kept (a code answer's indentation); an empty system turn says
+    # nothing and is left out, not its conversation.
+    messages = [{"role": m["role"], "content": m["content"]} for m in turns
+                if m["role"] != "system" or m["content"].strip()]
+    if not any(m["content"].strip() for m in messages):
         return Cleaned("empty")
-    if not all(m["content"] for m in messages):
+    if not all(m["content"].strip() for m in messages):
         return Cleaned("empty_turn")
     if all(m["role"] != "assistant" for m in messages):
         return Cleaned("no_assistant_turn")
-    if messages[0]["role"] == "assistant":
+    if all(m["role"] != "user" for m in messages):
+        return Cleaned("no_user_turn")  # [system, assistant]: a reply to nothing
+    if next(m["role"] for m in messages if m["role"] != "system") == "assistant":
         return Cleaned("assistant_first")  # nothing prompts it: a model cannot learn when to say it
     pii = 0
     if cfg.scrub_pii:

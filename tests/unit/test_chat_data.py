@@ -277,3 +277,23 @@ def test_a_source_that_loses_too_many_conversations_fails_with_counts_and_exampl
     with pytest.raises(ValueError, match=r"chats loses 6 of its 100 conversations \(6.0%\), more than "
                                          r"data.max_dropped_fraction=0.05.*'a.jsonl:3: unknown_role'"):
         check_dropped(stats, examples, max_fraction=0.05)
+
+
+def cleaned_turns(messages: list[dict]) -> tuple[str | None, list[dict] | None]:
+    cleaned = clean_conversation(json.dumps(messages).encode(), CleaningConfig(), with_signature=False)
+    return cleaned.removed_by, (conversation_of(cleaned.text) if cleaned.removed_by is None else None)
+
+
+def test_whitespace_inside_turns_is_kept_and_an_empty_system_turn_is_left_out() -> None:
+    code = "```python\ndef f():\n    return 1\n```\n"
+    reason, kept = cleaned_turns([{"role": "system", "content": " "}, {"role": "user", "content": "Code?"},
+                                  {"role": "assistant", "content": code}])
+    assert reason is None
+    assert kept == [{"role": "user", "content": "Code?"}, {"role": "assistant", "content": code}]
+
+
+def test_a_conversation_without_a_user_turn_is_dropped() -> None:
+    assert cleaned_turns([{"role": "system", "content": "Be kind."},
+                          {"role": "assistant", "content": "Hello"}])[0] == "no_user_turn"
+    assert cleaned_turns([{"role": "system", "content": "Be kind."}, {"role": "assistant", "content": "Hi"},
+                          {"role": "user", "content": "Hi"}])[0] == "assistant_first"
