@@ -694,7 +694,7 @@ def manage_checkpoints(args: argparse.Namespace) -> int:
             print(f"step {step:>8}  {'ok' if not problems else 'CORRUPT: ' + '; '.join(problems)}")
         return 1 if any(results.values()) else 0
     if args.checkpoints_verb == "rollback":
-        archive = versions.rollback(root, args.step)
+        archive = versions.rollback(root, args.step, cfg.checkpoint.persistent_url)
         print(f"step {args.step} is the latest checkpoint; newer versions, if any, are kept in {archive}. "
               "The next `forgeline stage train` (or run) resumes from it.")
         return 0

@@ -66,6 +66,24 @@ class PersistentTier:
         log.info("pulled %s/%s to %s", self.url, name, final)
         return final
 
+    def set_aside(self, names: list[str], archive: str) -> None:
+        """Move the copies `names` -- committed or cut short -- into `archive` in the tier, where
+        `committed()` no longer finds them: the copies a rollback discarded locally."""
+        if not names:
+            return
+        self.fs.makedirs(f"{self.root}/{archive}", exist_ok=True)
+        for name in names:
+            self.fs.mv(f"{self.root}/{name}", f"{self.root}/{archive}/{name}", recursive=True)
+        log.info("moved %s in %s to %s/", ", ".join(names), self.url, archive)
+
+    def steps(self) -> list[str]:
+        """Names of every checkpoint copy in the tier, uploaded whole or not."""
+        self.fs.invalidate_cache()
+        if not self.fs.exists(self.root):
+            return []
+        return sorted(name for name in (Path(e).name for e in self.fs.ls(self.root, detail=False))
+                      if name.startswith("step-"))
+
     def delete(self, name: str) -> None:
         self.fs.rm(f"{self.root}/{name}", recursive=True)
 

@@ -9,12 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forgeline.model.checkpoint.manager import (
+    MANIFEST_NAME,
     CheckpointError,
     CheckpointInfo,
     committed_checkpoints,
     step_dir_name,
     verify_checkpoint,
 )
+from forgeline.model.checkpoint.tiers import PersistentTier
 from forgeline.model.hf import export_hf
 from forgeline.model.inference import load_from_checkpoint, save_bundle
 from forgeline.model.training.outputs import TrainOutputs
@@ -56,10 +58,12 @@ def verify(root: Path, step: int | None = None) -> dict[int, list[str]]:
     return {info.step: verify_checkpoint(info.path) for info in _select(root, step)}
 
 
-def rollback(root: Path, step: int) -> Path:
+def rollback(root: Path, step: int, persistent_url: str = "") -> Path:
     """Make `step` the latest checkpoint again: newer committed and partial ones move, intact,
-    into `rolled-back-<time>/` (returned), so the next train run resumes from `step`. Also
-    clears what pointed past it: the train summary and an instability report of the run."""
+    into `rolled-back-<time>/` (returned), so the next train run resumes from `step` -- here and,
+    with `persistent_url` (checkpoint.persistent_url), on a node that pulls from the persistent
+    tier, whose newer copies move into a directory of the same name there. Also clears what
+    pointed past it: the train summary and an instability report of the run."""
     [target] = _select(root, step)
     problems = verify_checkpoint(target.path)
     if problems:
@@ -71,10 +75,22 @@ def rollback(root: Path, step: int) -> Path:
         archive.mkdir()
     for path in newer:
         path.rename(archive / path.name)
+    if persistent_url:
+        _roll_back_tier(persistent_url, step, archive.name)
     outputs = TrainOutputs(root.parent)  # root is its `checkpoints`
     for stale in (outputs.summary, outputs.unstable_report):
         stale.unlink(missing_ok=True)
     return archive
+
+
+def _roll_back_tier(url: str, step: int, archive: str) -> None:
+    # Else the tier's newest copy is a discarded step: a node without local copies would resume
+    # from it, and the retrained step of the same name would never be uploaded over it.
+    tier = PersistentTier(url, MANIFEST_NAME)
+    try:
+        tier.set_aside([name for name in tier.steps() if name > step_dir_name(step)], archive)
+    finally:
+        tier.close()
 
 
 def export(root: Path, step: int, tokenizer_dir: Path, out_dir: Path, fmt: str = "bundle") -> Path:

@@ -11,7 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from forgeline.flows.cli import main
-from forgeline.model.checkpoint.manager import committed_checkpoints
+from forgeline.model.checkpoint.manager import MANIFEST_NAME, committed_checkpoints
+from forgeline.model.checkpoint.tiers import PersistentTier
+from forgeline.model.fileio import sha256_file
 from forgeline.model.inference import load_bundle, load_from_checkpoint
 from forgeline.tasks.train.job import train_model
 from tests.conftest import debug_config
@@ -77,3 +79,28 @@ def test_rollback_keeps_newer_versions_and_the_next_run_resumes_from_it(
     result = train_model(debug_config(work, f"data.out_dir={data_root / 'data'}", "train.peak_tflops=1"))
     assert "step-00000010 (step 10)" in caplog.text and result.step == 20
     assert cli(work, data_root, "rollback", "15") == 2  # no such version: a clear error
+
+
+def test_rollback_moves_the_persistent_tiers_newer_copies_too(
+        trained: Path, data_root: Path, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    shutil.copytree(trained / "train", work / "train")
+    root = work / "train" / "checkpoints"
+    url = (tmp_path / "tier").as_uri()
+    uploaded = PersistentTier(url, MANIFEST_NAME)
+    uploaded.sync([info.path for info in committed_checkpoints(root)])  # as the run uploaded them
+    uploaded.close()
+    with_tier = ["--set", f"checkpoint.persistent_url={url}"]
+    assert cli(work, data_root, "rollback", "10", *with_tier) == 0
+    tier = PersistentTier(url, MANIFEST_NAME)
+    assert tier.committed() == ["step-00000010"]
+    [archive] = root.glob("rolled-back-*")
+    assert (tmp_path / "tier" / archive.name / "step-00000020" / MANIFEST_NAME).is_file()
+
+    # Retrained from step 10, the new step 20 is uploaded; a node without local copies pulls it.
+    train_model(debug_config(work, f"data.out_dir={data_root / 'data'}", "train.peak_tflops=1",
+                             f"checkpoint.persistent_url={url}"))
+    assert tier.committed() == ["step-00000020", "step-00000010"]
+    tier.close()
+    assert sha256_file(tmp_path / "tier" / "step-00000020" / MANIFEST_NAME) == \
+        sha256_file(root / "step-00000020" / MANIFEST_NAME)
