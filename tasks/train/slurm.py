@@ -33,6 +33,8 @@ ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 # A requeueable job that stays PREEMPTED longer than train.preemption_grace_s (its steps' time to
 # save; KillWait should match it) plus this margin was not requeued: that is its end.
 REQUEUE_MARGIN_S = 60.0
+# In the job directory while a submitted job's end has not been seen: the next attempt ends it first.
+JOB_RECORD = "submitted-job"
 # Bound on one scontrol or scancel call (they retry a silent controller themselves).
 COMMAND_TIMEOUT_S = 60.0
 # Rendezvous host and port, from the environment of the batch script.
@@ -120,16 +122,21 @@ def run_slurm_job(cfg: Config, agent_args: Sequence[str], env: Mapping[str, str]
     script = job_dir / "train.sbatch"
     output = job_dir.resolve() / "slurm-%j.out"
     script.write_text(batch_script(cfg, agent_args, output, preemption_record.resolve()))
+    cancel_wait_s = cfg.train.preemption_grace_s + 30  # the ranks' grace period to save, and some
+    end_earlier_job(job_dir / JOB_RECORD, env, cancel_wait_s, logger)
     deadline = time.monotonic() + cfg.train.timeout_s
     job_id = submit(script, env)
+    (job_dir / JOB_RECORD).write_text(job_id + "\n")
     output = job_dir.resolve() / f"slurm-{job_id}.out"
     logger.info("submitted Slurm job %s (%d node(s)); its output: %s", job_id, cfg.parallel.nnodes, output)
     state: JobState | None = None
     try:
         state = follow(job_id, output, cfg, deadline, logger, on_line)
     finally:
-        if state is None:  # stopped from here: the ranks get SIGTERM and their grace period to save
-            cancel(job_id, env, cfg.train.preemption_grace_s + 30, logger)
+        # Stopped from here: the ranks get SIGTERM and their grace period to save. A job whose end
+        # was not seen stays recorded for the next attempt to end first.
+        if state is not None or cancel(job_id, env, cancel_wait_s, logger):
+            (job_dir / JOB_RECORD).unlink()
     if state.state != "COMPLETED":
         reason = f", {state.reason}" if state.reason not in ("", "None") else ""
         raise LaunchError(f"Slurm job {job_id} ended {state.state} (exit code {state.exit_code}{reason}); "
@@ -144,22 +151,43 @@ def submit(script: Path, env: Mapping[str, str]) -> str:
     return done.stdout.strip().split(";")[0]
 
 
-def cancel(job_id: str, env: Mapping[str, str], wait_s: float, logger: logging.Logger) -> None:
-    """scancel the job and wait (at most `wait_s`) until it has ended."""
+def end_earlier_job(record: Path, env: Mapping[str, str], wait_s: float, logger: logging.Logger) -> None:
+    """Cancel the job an earlier attempt left recorded (its cancel failed, or the stage died) unless it
+    has ended; raise LaunchError when that cannot be known or done: never a second job beside it."""
+    if not record.exists():
+        return
+    job_id = record.read_text().strip()
+    try:
+        state = job_state(job_id)
+    except ControllerSilent as err:
+        raise LaunchError(f"cannot tell whether Slurm job {job_id}, of an earlier attempt of this stage, "
+                          f"has ended ({err}), so no new job is submitted beside it; retry once the "
+                          f"controller answers, or cancel it (`scancel {job_id}`) and remove "
+                          f"{record}") from err
+    if state is not None and state.state not in ENDED and not cancel(job_id, env, wait_s, logger):
+        raise LaunchError(f"Slurm job {job_id}, of an earlier attempt of this stage, is still {state.state} "
+                          f"and could not be cancelled, so no new job is submitted beside it; cancel it "
+                          f"(`scancel {job_id}`) and retry")
+    record.unlink()
+
+
+def cancel(job_id: str, env: Mapping[str, str], wait_s: float, logger: logging.Logger) -> bool:
+    """scancel the job and wait (at most `wait_s`) until it has ended; whether it has."""
     logger.warning("cancelling Slurm job %s", job_id)
     try:
         done = subprocess.run(["scancel", job_id], env=dict(env), capture_output=True, text=True,
                               timeout=COMMAND_TIMEOUT_S)
         if "Invalid job id" in done.stderr:
-            return  # the controller has forgotten it: it ended long ago
+            return True  # the controller has forgotten it: it ended long ago
         refusal = done.stderr.strip() if done.returncode != 0 else ""
     except subprocess.TimeoutExpired:
         refusal = f"no answer within {COMMAND_TIMEOUT_S:.0f} s"
     if refusal:
-        logger.error("scancel %s failed (%s): the job may still be running -- cancel it yourself "
-                     "(`scancel %s`) before the stage is retried", job_id, refusal, job_id)
-        return
-    wait_for_end(job_id, wait_s)
+        logger.error("scancel %s failed (%s): the job may still be running; the next attempt of the stage "
+                     "cancels it before it submits another (or cancel it yourself: `scancel %s`)",
+                     job_id, refusal, job_id)
+        return False
+    return wait_for_end(job_id, wait_s)
 
 
 def job_state(job_id: str) -> JobState | None:
@@ -251,14 +279,16 @@ def _note_silence(job_id: str, err: ControllerSilent, silent_since: float | None
     return silent_since
 
 
-def wait_for_end(job_id: str, timeout_s: float) -> None:
+def wait_for_end(job_id: str, timeout_s: float) -> bool:
+    """Whether the job ended within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(ControllerSilent):  # not known to have ended: ask again
             state = job_state(job_id)
             if state is None or state.state in ENDED:
-                return
+                return True
         time.sleep(1)
+    return False
 
 
 class _LineReader:

@@ -129,3 +129,30 @@ def test_a_stage_stopped_from_outside_cancels_its_job(controller: Path, stop: ty
     with pytest.raises(stop):
         run(controller, on_line=stop_here)
     assert cancelled(controller)
+
+
+def test_a_job_whose_cancel_failed_is_cancelled_before_the_retry_submits_another(controller: Path) -> None:
+    scancel = controller / "bin" / "scancel"
+    working = scancel.read_text()
+    scancel.write_text('#!/bin/bash\necho "$@" >> "$(dirname "$0")/../refused"\n'
+                       'echo "scancel: error: Unable to contact slurm controller" >&2\nexit 1\n')
+    (controller / "jobs").mkdir()
+    (controller / "jobs" / f"slurm-{JOB_ID}.out").write_text("step 1/24\n")
+    answer(controller, "RUNNING 0")
+
+    def stop_here(line: str) -> None:
+        raise RuntimeError("stopped")
+
+    with pytest.raises(RuntimeError):
+        run(controller, on_line=stop_here)
+    assert not cancelled(controller)  # the job runs on: scancel failed
+    with pytest.raises(LaunchError, match=f"Slurm job {JOB_ID}, of an earlier attempt of this stage, is "
+                                          "still RUNNING and could not be cancelled"):
+        run(controller)  # the retry
+    assert submissions(controller) == 1  # none beside it
+    assert (controller / "refused").read_text().splitlines() == [JOB_ID, JOB_ID]
+
+    scancel.write_text(working)  # the controller takes cancels again
+    with pytest.raises(LaunchError, match=f"Slurm job {JOB_ID} ended CANCELLED"):
+        run(controller)  # the stand-in's one job id: the new job reads CANCELLED too
+    assert cancelled(controller) and submissions(controller) == 2
