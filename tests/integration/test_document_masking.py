@@ -41,6 +41,13 @@ SLOW_LAYOUTS = {
     "pp2xtp2-selective-ac": ["parallel.pp=2", "parallel.tp=2", "parallel.activation_checkpoint=selective"],
     "pp2-compile-full-ac": ["parallel.pp=2", "parallel.compile=true", "parallel.activation_checkpoint=full"],
 }
+# Rows longer than the dense mask's limit (model/llama.py DENSE_MASK_MAX_LEN) attend document by
+# document; without documents, a row longer than a sliding window attends in blocks of queries.
+LONG_ROWS = {
+    "long": ["data.seq_len=320"],
+    "long-window": ["data.seq_len=320", "model.sliding_window=40", "train.document_masking=false"],
+}
+LONG_LAYOUTS = {"tp2-sp": LAYOUTS["tp2-sp"], "pp2-1F1B": LAYOUTS["pp2-1F1B"]}
 
 
 def packed_batch(cfg: Config) -> DocumentBatch:
@@ -73,6 +80,26 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 def test_layout_gives_the_single_process_first_step(name: str, reference: tuple[Path, dict]) -> None:
     root, expected = reference
     figures = first_step(root, name, (LAYOUTS | SLOW_LAYOUTS)[name])
+    assert figures == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def long_references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+    """Each long-row variant's single-process step, computed when first asked for."""
+    return {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LONG_LAYOUTS)
+@pytest.mark.parametrize("rows", LONG_ROWS)
+def test_long_rows_give_the_single_process_first_step(rows: str, layout: str,
+                                                      tmp_path_factory: pytest.TempPathFactory,
+                                                      long_references: dict[str, tuple[Path, dict]]) -> None:
+    if rows not in long_references:
+        root = tmp_path_factory.mktemp(f"document-masking-{rows}")
+        long_references[rows] = root, first_step(root, "single", LONG_ROWS[rows])
+    root, expected = long_references[rows]
+    figures = first_step(root, layout, [*LONG_ROWS[rows], *LONG_LAYOUTS[layout]])
     assert figures == pytest.approx(expected, rel=1e-5)
 
 
