@@ -99,8 +99,11 @@ class TrackingSpool:
                 last = self._append({"op": "batch", key: items[start:start + size]})
         self._wait_for(last, wait)
 
-    def log_artifact(self, path: str | Path, artifact_path: str | None = None, wait: bool = False) -> None:
-        """A copy of the file or directory, taken now: the original may change before it is sent."""
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None, wait: bool = False,
+                     landed: bool = False) -> None:
+        """A copy of the file or directory, taken now: the original may change before it is sent.
+        With `landed=True` the call waits as `wait=True` does and raises NotLanded unless the store
+        holds it when it returns: for a file that is read back from the store next."""
         path = Path(path)
         copy = self.dir / "files" / f"{self.path.stem}-{self._written}" / path.name
         copy.parent.mkdir(parents=True, exist_ok=True)
@@ -108,8 +111,13 @@ class TrackingSpool:
             shutil.copytree(path, copy)
         else:
             shutil.copy2(path, copy)
-        self._wait_for(self._append({"op": "artifact", "file": str(copy.relative_to(self.dir)),
-                                     "artifact_path": artifact_path}), wait)
+        seq = self._append({"op": "artifact", "file": str(copy.relative_to(self.dir)),
+                            "artifact_path": artifact_path})
+        self._wait_for(seq, wait or landed)
+        if landed and not self._is_sent(seq):
+            raise NotLanded(f"{path.name} did not reach the tracking store {self.tracking_uri} within "
+                            f"{self.wait_s:g} s (it is down or does not answer); it waits in {self.path} "
+                            "and `forgeline sync` sends it once the store answers")
 
     def log_input(self, dataset: dict[str, str], context: str, wait: bool = False) -> None:
         """An input dataset: name, digest, source_type, source."""
@@ -118,6 +126,10 @@ class TrackingSpool:
     def terminate(self, status: str, wait: bool = False) -> None:
         self._wait_for(self._append({"op": "terminate", "status": status,
                                      "end_time": int(time.time() * 1000)}), wait)
+
+    def _is_sent(self, seq: int) -> bool:
+        with self._cond:
+            return self._sent >= seq
 
     @property
     def pending(self) -> int:
@@ -289,6 +301,10 @@ def spool_from_environment(run_id: str, writer: str) -> TrackingSpool:
 
 def flush_deadline_s() -> float:
     return float(os.environ.get(FLUSH_ENV, "30"))
+
+
+class NotLanded(RuntimeError):
+    """A write its caller needs in the store at once is not there yet (model/spool.py log_artifact)."""
 
 
 class SpoolRejected(RuntimeError):

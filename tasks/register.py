@@ -48,6 +48,7 @@ from forgeline.model.checkpoint.manager import MANIFEST_NAME
 from forgeline.model.fileio import sha256_file
 from forgeline.model.hf import export_hf
 from forgeline.model.inference import export_checkpoint_adapter, load_from_checkpoint
+from forgeline.model.spool import NotLanded
 from forgeline.tasks.atomic import write_text_atomic
 from forgeline.tasks.evaluate import ITEMS_NAME, read_eval_metrics
 from forgeline.tasks.pretrained import COMPLETE, INCOMPLETE, REGISTRATION_TAG, is_complete
@@ -156,8 +157,14 @@ def register_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> R
                     **{f"eval.{k}": f"{v:.6g}" for k, v in scores.items() if is_version_score(k)}}
     if parent:
         version_tags["forgeline.pipeline_run_id"] = parent.run_id
-    # The per-item results go with the version (the gate pairs them with the champion's).
-    run.log_artifact(Path(cfg.eval.out_dir) / ITEMS_NAME, "eval")
+    # The per-item results go with the version (the gate pairs them with the champion's): a version
+    # registered before they land would be judged on no items, "inconclusive" for good.
+    try:
+        run.log_artifact(Path(cfg.eval.out_dir) / ITEMS_NAME, "eval", landed=True)
+    except NotLanded as err:
+        raise RegistrationError(f"the eval's per-item results did not reach the registry's store: {err}. "
+                                "Nothing was registered; rerun the register stage once the store "
+                                "answers") from err
     key = registration_key(cfg.registry.model_name, Path(train.checkpoint), tokenizer_dir, scores)
     registered = register_model(cfg, run, train.checkpoint, str(tokenizer_dir), version_tags, key)
     uri = run.client.tracking_uri

@@ -194,8 +194,9 @@ class RunTracker:
                    "source": Path(path).resolve().as_uri()}
         self.spool.log_input(dataset, context, wait=True)
 
-    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self.spool.log_artifact(path, artifact_path, wait=True)
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None, landed: bool = False) -> None:
+        """`landed=True`: raise NotLanded unless the store holds the file when this returns."""
+        self.spool.log_artifact(path, artifact_path, wait=True, landed=landed)
 
 
 # This process's spool of each run it writes to: the stages of a pipeline flow run in its

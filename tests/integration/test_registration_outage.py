@@ -6,7 +6,8 @@ by nothing (not as base, candidate or champion). The server comes back on the sa
 rerun completes that version instead of registering another, and a rerun after that registers
 nothing. A failure while the registry answers deletes the incomplete version and puts the
 `candidate` alias back. An outage while the promotion gate reads a candidate's per-item results
-is an error, never a recorded decision: the rerun decides."""
+is an error, never a recorded decision: the rerun decides. So is a short outage while the stage
+uploads the eval's per-item results: no version is registered for the gate to judge on no items."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from mlflow.exceptions import MlflowException
 from forgeline.configs import Config
 from forgeline.configs.schema import ConfigError
 from forgeline.flows.cli import main
+from forgeline.model.spool import TrackingSpool
 from forgeline.tasks import compare
+from forgeline.tasks.evaluate import ITEMS_NAME
 from forgeline.tasks.pretrained import (
     CACHE_ENV,
     COMPLETE,
@@ -54,12 +57,13 @@ FAST_FAILING = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BAC
 
 
 @contextmanager
-def mlflow_server(root: Path, port: int) -> Iterator[subprocess.Popen]:
+def mlflow_server(root: Path, port: int, proxied: bool = False) -> Iterator[subprocess.Popen]:
     """`mlflow server` on 127.0.0.1:`port` over the sqlite store and artifacts under `root`, in its
-    own process group; stopped on exit unless the test killed it."""
+    own process group; stopped on exit unless the test killed it. `proxied`: artifacts go through
+    the server (mlflow-artifacts:/), as with a remote store, instead of straight to `root`."""
+    artifacts = "--artifacts-destination" if proxied else "--default-artifact-root"
     cmd = [str(VENV_BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-           "--default-artifact-root", str(root / "mlartifacts"), "--host", "127.0.0.1", "--port", str(port),
-           "--workers", "1"]
+           artifacts, str(root / "mlartifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     with open(root / "mlflow-server.log", "a") as log:
         process = subprocess.Popen(cmd, env=user_env(root), stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
@@ -273,3 +277,44 @@ def test_an_outage_while_the_gate_reads_the_items_is_an_error_and_the_rerun_deci
         assert client.get_model_version(name, "2").tags[DECISION_TAG].startswith(
             "promoted: versus version 1; overall +0.")
         assert str(aliased(client, name, CHAMPION_ALIAS).version) == "2"
+
+
+def test_items_that_did_not_reach_the_store_are_an_error_and_nothing_is_registered(
+        tmp_path: Path, trained: Path, data_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in FAST_FAILING.items():
+        monkeypatch.setenv(key, value)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = tmp_path / "server"
+    server.mkdir()
+    cfg = evaluated(tmp_path, trained, data_root, "eval", "a", f"registry.tracking_uri={url}",
+                    "registry.artifact_location=mlflow-artifacts:///forgeline", math=0.3, code=0.3)
+    name = cfg.registry.model_name
+
+    # The fault: a short outage of the server, through which artifacts go, while the register stage
+    # uploads the eval's items.json; it is back before the version would be registered.
+    real_log_artifact = TrackingSpool.log_artifact
+
+    def uploaded_during_an_outage(self, path, *args, **kwargs):
+        if Path(path).name != ITEMS_NAME:
+            return real_log_artifact(self, path, *args, **kwargs)
+        kill(process)
+        try:
+            return real_log_artifact(self, path, *args, **kwargs)
+        finally:
+            servers.enter_context(mlflow_server(server, port, proxied=True))
+
+    with ExitStack() as servers:
+        process = servers.enter_context(mlflow_server(server, port, proxied=True))
+        with monkeypatch.context() as patch:
+            patch.setattr(TrackingSpool, "log_artifact", uploaded_during_an_outage)
+            with pytest.raises(RegistrationError, match="per-item results did not reach") as failure:
+                register(cfg)
+        assert "Nothing was registered; rerun the register stage" in str(failure.value)
+        client = MlflowClient(url, url)
+        assert client.search_model_versions(f"name = '{name}'") == []  # none judged on no items
+
+        # Back: the rerun registers the version with the items the gate reads.
+        assert register(cfg) == "1"
+        run_id = client.get_model_version(name, "1").run_id
+        assert [f.path for f in client.list_artifacts(run_id, "eval")] == [f"eval/{ITEMS_NAME}"]

@@ -19,7 +19,15 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from forgeline.model.spool import SpoolRejected, TrackingSpool, read_records, replay, spooled_metric, unsent
+from forgeline.model.spool import (
+    NotLanded,
+    SpoolRejected,
+    TrackingSpool,
+    read_records,
+    replay,
+    spooled_metric,
+    unsent,
+)
 from forgeline.tasks.tracking import close_tracker, tracker_for
 from tests.conftest import debug_config
 
@@ -69,6 +77,40 @@ def test_a_store_that_is_down_costs_the_writer_nothing_and_sync_sends_it_all(tmp
     assert replay(tmp_path / "spool") == (30, 0)
     assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(1, 31))
     assert not (tmp_path / "spool" / run_id).exists()  # all sent: the run's spool goes
+
+
+def test_an_artifact_that_must_land_is_there_when_the_call_returns(tmp_path: Path, store) -> None:
+    client, run_id = store
+    items = tmp_path / "items.json"
+    items.write_text("[]\n")
+    spool = TrackingSpool(tmp_path / "spool", run_id, client.tracking_uri, "stage")
+    spool.log_artifact(items, "eval", landed=True)
+    assert [f.path for f in client.list_artifacts(run_id, "eval")] == ["eval/items.json"]
+    assert spool.close(30) == 0
+
+
+def test_an_artifact_that_must_land_is_an_error_while_the_store_is_down(tmp_path: Path, store) -> None:
+    _, run_id = store
+    items = tmp_path / "items.json"
+    items.write_text("[]\n")
+    down = TrackingSpool(tmp_path / "spool", run_id, f"http://127.0.0.1:{closed_port()}", "stage")
+    with pytest.raises(NotLanded, match=r"items.json did not reach the tracking store http://127.0.0.1:"):
+        down.log_artifact(items, "eval", landed=True)
+    assert down.close(0.5) == 1  # kept for sync
+
+
+def test_an_artifact_that_must_land_is_an_error_while_the_store_is_silent(tmp_path: Path, store) -> None:
+    _, run_id = store
+    items = tmp_path / "items.json"
+    items.write_text("[]\n")
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        slow = TrackingSpool(tmp_path / "spool", run_id, f"http://127.0.0.1:{silent.getsockname()[1]}",
+                             "stage", wait_s=1)
+        with pytest.raises(NotLanded, match="within 1 s"):
+            slow.log_artifact(items, "eval", landed=True)
+        assert slow.close(0) == 1
 
 
 def test_replay_sends_each_write_once_even_if_it_was_sent_before(tmp_path: Path, store) -> None:
