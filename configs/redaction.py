@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import TracebackType
 
 REDACTED = "***"
 # The user may be empty (`redis://:PASSWORD@host`); a path holding `@` has no `:` before it.
@@ -91,6 +93,18 @@ def credentials_masked_in_errors() -> Iterator[None]:
         raise
 
 
+class _ScrubbingExceptHook:
+    """sys.excepthook: the exception masked (scrub_exception), then printed by the hook it replaced."""
+
+    def __init__(self, printer: Callable[[type[BaseException], BaseException, TracebackType | None], None]):
+        self.printer = printer
+
+    def __call__(self, kind: type[BaseException], err: BaseException,
+                 traceback: TracebackType | None) -> None:
+        scrub_exception(err)
+        self.printer(kind, err, traceback)
+
+
 class ScrubURLCredentials(logging.Filter):
     """Masks URL credentials in a record's message and traceback; drops nothing."""
 
@@ -109,7 +123,11 @@ class ScrubURLCredentials(logging.Filter):
 
 def install_log_scrubber() -> None:
     """Add the filter to every handler of every logger there is now (Prefect's console and API
-    handlers included, once Prefect is imported); a handler that has it is left as it is."""
+    handlers included, once Prefect is imported); a handler that has it is left as it is. An
+    exception no one catches is masked too before Python prints it (`sys.excepthook`): an entry
+    point lists the errors it expects, never all."""
+    if not isinstance(sys.excepthook, _ScrubbingExceptHook):
+        sys.excepthook = _ScrubbingExceptHook(sys.excepthook)
     loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict.values()
                                        if isinstance(logger, logging.Logger)]
     for logger in loggers:

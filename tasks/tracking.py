@@ -413,7 +413,8 @@ def registry_input(cfg: Config) -> dict[str, str]:
     """The register stage's input DVC does not see: the registry a version was written to is part of
     what registering did. (Here, not in register.py: `forgeline status` decides every stage's cache
     without importing what the stages run.)"""
-    return {"tracking_uri": resolve_tracking_uri(cfg)}
+    # Masked: the stamp is a file anyone may read, and a password names no other registry.
+    return {"tracking_uri": scrub(resolve_tracking_uri(cfg))}
 
 
 def version_still_registered(cfg: Config, result: dict[str, Any]) -> str | None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import io
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +19,9 @@ from forgeline.configs.redaction import (
     scrub,
     url_credential,
 )
-from forgeline.tasks.tracking import redact
+from forgeline.tasks.stage import stage_named
+from forgeline.tasks.tracking import redact, registry_input
+from tests.conftest import debug_config
 
 SECRET = "s3cr3tVALUE"
 
@@ -160,3 +165,24 @@ def test_an_error_leaving_a_task_is_masked_with_the_errors_it_came_from() -> Non
     assert "http://u:***@h/" in str(chain[0]) and chain[1].message == "API request to http://u:***@h/ failed"
     assert chain[2].filename == "https://h/x?sig=***" and chain[1].__notes__ == ["while reading https://h/?token=***"]
     assert SECRET not in "".join(str(err) + repr(vars(err)) for err in chain)
+
+
+def test_an_error_main_does_not_list_is_printed_masked() -> None:
+    """A verb raising what `forgeline`'s main does not catch: Python's own traceback, masked."""
+    verb = ("import sys\nfrom forgeline.flows import cli\n"
+            "def fails(args):\n"
+            f"    raise ConnectionRefusedError('connecting to https://forgeline:{SECRET}@mlflow.example.com')\n"
+            "cli.VERBS['status'] = fails\nsys.exit(cli.main(['status']))\n")
+    done = subprocess.run([sys.executable, "-c", verb], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" in done.stderr, done.stderr
+    assert SECRET not in done.stderr
+    assert "ConnectionRefusedError: connecting to https://forgeline:***@mlflow.example.com" in done.stderr
+
+
+def test_the_register_stages_stamp_holds_no_credential_of_the_tracking_uri(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"https://forgeline:{SECRET}@mlflow.example.com")
+    cfg = debug_config(tmp_path, "registry.tracking_uri=null")
+    # The register stage's external input, which its stamp records among its inputs.
+    assert stage_named("register").external == "forgeline.tasks.tracking:registry_input"
+    assert registry_input(cfg) == {"tracking_uri": "https://forgeline:***@mlflow.example.com"}
