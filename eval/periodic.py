@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forgeline.configs.environment import apply_environment_defaults
+from forgeline.model.lifetime import die_with_parent
 from forgeline.model.spool import flush_deadline_s, spool_from_environment
 
 if TYPE_CHECKING:  # lm-eval is imported once main() has applied the environment defaults
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--step", required=True, type=int)
     args = parser.parse_args(argv)
+    # Rank 0 started it: killed outright, it leaves no evaluation behind to load a checkpoint the
+    # retry may be replacing, or to hold the memory the retry needs.
+    die_with_parent()
     apply_environment_defaults()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     scores = evaluate_checkpoint(args.checkpoint, args.data_dir, args.tasks, args.limit, args.batch_size)

@@ -2,7 +2,8 @@
 
 This folder holds the architecture (`llama.py`, layout-independent initialization in `init.py`),
 its Hugging Face adapter (`hf.py`), single-process inference (`inference.py`), the durable
-file helpers its formats share (`fileio.py`) and the tracking spool every forgeline process
+file helpers its formats share (`fileio.py`), a child's lifetime tied to its parent's
+(`lifetime.py`) and the tracking spool every forgeline process
 writes MLflow runs through (`spool.py`). Below it, one folder per layer of the rank side:
 
     parallel/     mesh, apply_tp / apply_ac / apply_compile / apply_fsdp, pipeline split, planner

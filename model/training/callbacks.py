@@ -3,11 +3,13 @@ watchdog, validation, metrics, stability (skip / roll back), checkpoints, then u
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib
 import json
 import logging
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -291,8 +293,11 @@ class InTrainingEvalCallback(Callback):
         self._start_next()
 
     def on_train_end(self, trainer: Trainer) -> None:
-        if trainer.stopped_early:  # the grace period is for the checkpoint: the queue is dropped
+        if trainer.stopped_early:  # the grace period is for the checkpoint: the evaluations are dropped
             self._queue.clear()
+            if self._running is not None:
+                with contextlib.suppress(ProcessLookupError):  # it ended on its own meanwhile
+                    os.killpg(self._running.pid, signal.SIGKILL)  # its session is its own
         while self._queue or self._running is not None:
             if self._running is not None:
                 self._running.wait()
@@ -318,8 +323,11 @@ class InTrainingEvalCallback(Callback):
                "--batch-size", str(self.batch_size)]
         if self.cfg.limit is not None:
             cmd += ["--limit", str(self.cfg.limit)]
-        # One thread: the ranks keep the cores; the evaluation is not in a hurry.
-        self._running = subprocess.Popen(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"})
+        # One thread: the ranks keep the cores; the evaluation is not in a hurry. A session of its
+        # own: a signal to the job's process group (a terminal's Ctrl-C, a preemption) is for the
+        # ranks, which must not wait on an evaluation to save; it dies with rank 0 (eval/periodic.py).
+        self._running = subprocess.Popen(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"},
+                                         start_new_session=True)
 
 
 def load_callback(spec: CallbackSpec) -> Callback:

@@ -11,11 +11,9 @@ latest valid checkpoint, and hands a Trainer (loop.py) its step and callbacks (c
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -39,6 +37,7 @@ from forgeline.model.checkpoint.manager import (
 )
 from forgeline.model.fileio import sha256_file
 from forgeline.model.hf import load_hf_weights
+from forgeline.model.lifetime import die_with_parent
 from forgeline.model.llama import Transformer
 from forgeline.model.lora import apply_lora, has_adapters, init_lora, is_adapter
 from forgeline.model.parallel.mesh import build_meshes, init_distributed, resolve_precision
@@ -245,24 +244,6 @@ def total_peak_flops(cfg: Config, device: torch.device) -> float:
     return peak.item()
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_launcher() -> None:
-    """Have the kernel SIGKILL this rank when the process that started it (torchrun's agent)
-    dies, however it dies: a rank that outlives a killed launcher would train on beside the
-    job's retry, into the same checkpoints and (on a GPU) the memory the retry needs. Linux
-    only; the checkpoint generation (model/checkpoint/manager.py) fences such ranks anywhere."""
-    if not sys.platform.startswith("linux"):
-        return
-    launcher = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != launcher:  # it died before the signal was armed
-        os._exit(1)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m forgeline.model.training.worker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -272,7 +253,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="the pretrained base, resolved by the launcher: JSON with its uri, local path "
                              "and weights_sha256")
     args = parser.parse_args(argv)
-    die_with_launcher()
+    # A rank that outlived a killed launcher would train on beside the job's retry, into the same
+    # checkpoints and (on a GPU) the memory the retry needs; the checkpoint generation
+    # (model/checkpoint/manager.py) fences such ranks where the parent-death signal does not exist.
+    die_with_parent()
     preemption = PreemptionNotice()
     preemption.install()
     apply_environment_defaults()  # inherited from the launcher already; here for a rank started by hand
