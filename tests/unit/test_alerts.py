@@ -202,3 +202,6 @@ def test_the_caller_never_waits_on_a_post_and_close_waits_a_bounded_time(
         block.gate.set()
     # One in flight, four waiting; the poster (a daemon) is left to its post.
     assert "gave up on 5 training alert(s) to custom-webhook/alerts not posted within 0.5 s" in caplog.text
+    # Released, it posts them and ends: its log lines must not outlive the test's streams.
+    alerts._poster.join(30)
+    assert len(block.posts) == 5 and not alerts._poster.is_alive()
