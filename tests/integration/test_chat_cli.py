@@ -21,7 +21,7 @@ from forgeline.tasks.register import SIGNATURE, HFGenerator
 from tests.chat import random_model, save_chat_tokenizer
 from tests.integration.helpers import VENV_BIN, user_env
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real processes, about 3 min
 
 NEW_TOKENS = 8
 GREEDY = ["--temperature", "0", "--max-new-tokens", str(NEW_TOKENS)]

@@ -81,6 +81,7 @@ def test_rollback_keeps_newer_versions_and_the_next_run_resumes_from_it(
     assert cli(work, data_root, "rollback", "15") == 2  # no such version: a clear error
 
 
+@pytest.mark.slow  # trains twice: about 2 min
 def test_rollback_moves_the_persistent_tiers_newer_copies_too(
         trained: Path, data_root: Path, tmp_path: Path) -> None:
     work = tmp_path / "work"
