@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from forgeline.model.lifetime import die_with_parent
+
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -40,7 +42,9 @@ def serving(cmd: list[str], env: dict[str, str], log_path: Path, health_url: str
     `log_path`; with `health_url`, entered once that answers 200. Its whole group is stopped on
     exit."""
     with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # Dies with this process too: a test session stopped by a signal runs no `finally`.
+        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   preexec_fn=die_with_parent)
         try:
             deadline = time.monotonic() + timeout
             while health_url is not None and not _healthy(health_url):
