@@ -71,6 +71,19 @@ def local_dask_clusters_closed(no_process_left_behind: None) -> Iterator[None]:
     close_local_clusters()
 
 
+@pytest.fixture(autouse=True)
+def environment_restored() -> Iterator[None]:
+    """Each test leaves the process environment as it found it: what forgeline's code sets for its
+    process (the console's quiet Prefect handler, a stage's variables), run here in-process, would
+    otherwise reach every process a later test of this worker starts (its Dask workers' Prefect
+    lines went missing in CI that way)."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """The controller of pytest-xdist workers checks once they are gone (xdist stops them in its
