@@ -139,6 +139,25 @@ def read_sliding_window(config: PretrainedConfig) -> dict[str, Any]:
     return {"sliding_window": window, "sliding_layers": None if len(sliding) == len(layer_types) else sliding}
 
 
+def read_swiglu_rope(config: PretrainedConfig) -> dict[str, Any]:
+    """rope_theta and rope_scaling of a Llama-like family, whose feed-forward block is SwiGLU."""
+    require(config, "hidden_act", "silu", "the gated feed-forward block is SwiGLU")
+    theta, scaling = read_rope(config)
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def read_switched_window(config: PretrainedConfig) -> dict[str, Any]:
+    """Qwen's sliding window, which applies only when `use_sliding_window` is set."""
+    return read_sliding_window(config) if getattr(config, "use_sliding_window", False) else {}
+
+
+def write_switched_window(shape: ModelConfig) -> dict[str, Any]:
+    if shape.sliding_window is None:
+        return {"use_sliding_window": False}
+    return {"use_sliding_window": True, "sliding_window": shape.sliding_window,
+            "layer_types": layer_types(shape)}
+
+
 def layer_types(shape: ModelConfig) -> list[str]:
     return ["sliding_attention" if shape.window_of(i) else "full_attention" for i in range(shape.n_layers)]
 
@@ -169,6 +188,12 @@ def mlp_weights(fused_gate_up: bool = False) -> LayerWeights:
     return {"mlp.gate_proj.weight": ("feed_forward.w1.weight",),
             "mlp.up_proj.weight": ("feed_forward.w3.weight",),
             "mlp.down_proj.weight": ("feed_forward.w2.weight",)}
+
+
+def llama_layer_weights(fused: bool = False) -> Callable[[ModelConfig], LayerWeights]:
+    """A Llama-like decoder layer's tensors; `fused`: Phi-3's qkv_proj and gate_up_proj."""
+    return lambda shape: (llama_norms() | attention_weights(shape, fused_qkv=fused)
+                          | mlp_weights(fused_gate_up=fused))
 
 
 def llama_norms() -> LayerWeights:

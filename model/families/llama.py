@@ -5,10 +5,8 @@ from __future__ import annotations
 from forgeline.model.families.family import (
     Family,
     UnsupportedArchitecture,
-    attention_weights,
-    llama_norms,
-    mlp_weights,
-    read_rope,
+    llama_layer_weights,
+    read_swiglu_rope,
     require,
 )
 
@@ -18,9 +16,7 @@ def read_config(config) -> dict:
         raise UnsupportedArchitecture("llama with attention_bias=True is not supported (a bias on o_proj "
                                       "too); a Qwen2 base is model_type qwen2")
     require(config, "mlp_bias", False, "the feed-forward projections have no bias")
-    require(config, "hidden_act", "silu", "the gated feed-forward block is SwiGLU")
-    theta, scaling = read_rope(config)
-    return {"rope_theta": theta, "rope_scaling": scaling}
+    return read_swiglu_rope(config)
 
 
 def write_config(shape) -> dict:
@@ -32,5 +28,5 @@ FAMILY = Family(
     architecture="LlamaForCausalLM",
     read_config=read_config,
     write_config=write_config,
-    layer_weights=lambda shape: llama_norms() | attention_weights(shape) | mlp_weights(),
+    layer_weights=llama_layer_weights(),
 )

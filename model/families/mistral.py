@@ -2,31 +2,12 @@
 
 from __future__ import annotations
 
-from forgeline.model.families.family import (
-    Family,
-    attention_weights,
-    llama_norms,
-    mlp_weights,
-    read_rope,
-    read_sliding_window,
-    require,
-)
-
-
-def read_config(config) -> dict:
-    require(config, "hidden_act", "silu", "the gated feed-forward block is SwiGLU")
-    theta, scaling = read_rope(config)
-    return {"rope_theta": theta, "rope_scaling": scaling} | read_sliding_window(config)
-
-
-def write_config(shape) -> dict:
-    return {"hidden_act": "silu", "sliding_window": shape.sliding_window}
-
+from forgeline.model.families.family import Family, llama_layer_weights, read_sliding_window, read_swiglu_rope
 
 FAMILY = Family(
     model_type="mistral",
     architecture="MistralForCausalLM",
-    read_config=read_config,
-    write_config=write_config,
-    layer_weights=lambda shape: llama_norms() | attention_weights(shape) | mlp_weights(),
+    read_config=lambda config: read_swiglu_rope(config) | read_sliding_window(config),
+    write_config=lambda shape: {"hidden_act": "silu", "sliding_window": shape.sliding_window},
+    layer_weights=llama_layer_weights(),
 )

@@ -4,21 +4,7 @@ in every layer where the config sets one."""
 
 from __future__ import annotations
 
-from forgeline.model.families.family import (
-    Family,
-    attention_weights,
-    llama_norms,
-    mlp_weights,
-    read_rope,
-    read_sliding_window,
-    require,
-)
-
-
-def read_config(config) -> dict:
-    require(config, "hidden_act", "silu", "the gated feed-forward block is SwiGLU")
-    theta, scaling = read_rope(config)
-    return {"rope_theta": theta, "rope_scaling": scaling} | read_sliding_window(config)
+from forgeline.model.families.family import Family, llama_layer_weights, read_sliding_window, read_swiglu_rope
 
 
 def write_config(shape) -> dict:
@@ -29,8 +15,7 @@ def write_config(shape) -> dict:
 FAMILY = Family(
     model_type="phi3",
     architecture="Phi3ForCausalLM",
-    read_config=read_config,
+    read_config=lambda config: read_swiglu_rope(config) | read_sliding_window(config),
     write_config=write_config,
-    layer_weights=lambda shape: (llama_norms() | attention_weights(shape, fused_qkv=True)
-                                 | mlp_weights(fused_gate_up=True)),
+    layer_weights=llama_layer_weights(fused=True),
 )
