@@ -203,6 +203,8 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
     meta = {"layout": degrees, "model_args": shape.model_dump(mode="json"), "data_manifest": data_manifest,
             "config_sha256": cfg.content_hash(),
             "git_commit": os.environ.get("FORGELINE_GIT_COMMIT", "unknown")}
+    if run_id:  # the MLflow run whose curve it continues: a rerun resumed from it logs there too
+        meta["mlflow_run_id"] = run_id
     if base:  # where the run's weights came from: the manifest of every checkpoint records it
         meta["base"] = base
     if cfg.sft and cfg.sft.lora:  # what readers of the checkpoint merge (model/inference.py)

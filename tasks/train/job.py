@@ -134,10 +134,13 @@ def record_training(cfg: Config, run: RunTracker, parent: RunTracker | None, res
     the resolved config and the loss curve; the same, and the train run, on the parent."""
     outputs = TrainOutputs(Path(result.out_dir))
     run.log_dataset(DATASET_NAME, cfg.data.out_dir, dvc_hash(cfg.data.out_dir), "training")
-    summary = {"final_loss": result.loss, "tokens_seen": result.tokens_seen,
-               "worker_failures": len(result.failures)}
+    # One name per score, the parent's and the run's alike (`train/...`): a column of the runs
+    # table is filled for both rows.
+    summary = {"train/final_loss": result.loss, "train/tokens_seen": result.tokens_seen,
+               "train/worker_failures": len(result.failures)}
     if result.val_best:
-        summary |= {"best_val_loss": result.val_best["loss"], "best_val_bpb": result.val_best["bpb"]}
+        summary |= {"train/best_val_loss": result.val_best["loss"],
+                    "train/best_val_bpb": result.val_best["bpb"]}
     run.log_metrics(summary, step=result.step)
     checkpoint = {"forgeline.checkpoint": str(Path(result.checkpoint).resolve()),
                   "forgeline.checkpoint_uri": checkpoint_uri(cfg, result.checkpoint)}
@@ -151,7 +154,7 @@ def record_training(cfg: Config, run: RunTracker, parent: RunTracker | None, res
     run.log_artifact(outputs.loss_plot, "train")
     if parent:
         parent.log_artifact(outputs.loss_plot, "train")
-        parent.log_metrics({f"train/{k}": v for k, v in summary.items()}, step=result.step)
+        parent.log_metrics(summary, step=result.step)
         parent.set_tags({**checkpoint, **base_tags(result.base), "forgeline.train_run_id": run.run_id})
 
 

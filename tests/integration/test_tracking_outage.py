@@ -79,7 +79,7 @@ def assert_every_step_once(port: int) -> None:
     assert sorted(m.step for m in history) == list(range(1, STEPS + 1))  # each step, exactly once
     assert found.info.status == "FINISHED"
     assert found.data.tags["forgeline.attempts"] == "1"
-    assert found.data.metrics["worker_failures"] == 0  # no in-job restart either
+    assert found.data.metrics["train/worker_failures"] == 0  # no in-job restart either
 
 
 def test_server_killed_mid_run_and_back_before_it_ends(data_root: Path, tmp_path: Path) -> None:
