@@ -1035,6 +1035,11 @@ class SFTConfig(Section):
     lora: LoraConfig | None = None
     """Train low-rank adapters only (None: every weight)."""
 
+    train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    """Which assistant turns the loss covers: every one (`all_assistant`), or only each
+    conversation's last, the earlier turns being context (`last_assistant`). The data stage
+    writes the masks, so a change rebuilds the data."""
+
 
 class SlurmConfig(Section):
     """The sbatch job of the train stage with parallel.launcher=slurm: parallel.nnodes nodes, one
