@@ -100,7 +100,9 @@ def run_stage(stage: Stage, cfg: Config, parent_run_id: str | None = None, force
     parent = None if parent_run_id is None else tracker_for(cfg, parent_run_id, client)
     function = resolve(stage.function)
     name = run_name(stage.name, cfg, with_layout=reads_layout(stage))
-    with (tracked_run(cfg, name, parent_run_id, tags={STAGE_TAG: stage.name}, run_key=run_key) as run,
+    continues = resolve(stage.continues)(cfg) if stage.continues else None
+    with (tracked_run(cfg, name, parent_run_id, tags={STAGE_TAG: stage.name}, run_key=run_key,
+                      continues=continues) as run,
           stage_log(stage.name, cfg, run)):
         run.log_params({k: v for k, v in cfg.flat().items()
                         if k.split(".")[0] in stage.sections or k in stage.params})

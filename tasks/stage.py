@@ -172,6 +172,9 @@ class Stage:
     reads_base: bool = False
     """It computes from the pretrained base (`model.init_from`): the base's identity, by content,
     is part of its cache key, and under DVC the base stamp is its dep (BaseStamp)."""
+    continues: str | None = None
+    """(cfg) -> run id | None: the MLflow run of its stopped work that this run goes on with (a
+    training resumed from a checkpoint): reopened, not a new run (tasks/tracking.py tracked_run)."""
     pipeline: Literal["every", "pretraining", "fine-tuning"] = "every"
     """The pipelines it is part of: a config with an `sft` section fine-tunes (data -> sft -> eval
     -> register), any other pretrains (data -> train -> eval -> register)."""
@@ -190,7 +193,7 @@ class Stage:
         snapshot = (self.snapshot.preflight, self.snapshot.take, self.snapshot.check) if self.snapshot else ()
         return tuple(reference for reference in (
             self.function, self.record, self.preflight, self.result_type, self.still_valid, self.external,
-            self.report, self.gives_up_on, *snapshot) if reference is not None)
+            self.report, self.gives_up_on, self.continues, *snapshot) if reference is not None)
 
     @property
     def code_files(self) -> tuple[str, ...]:
@@ -245,6 +248,7 @@ TRAIN = Stage(
     retries="train.job_retries",
     gives_up_on="forgeline.model.training.callbacks:TrainingUnstable",
     reads_base=True,  # starts from its weights; a new base is trained from, not resumed
+    continues="forgeline.tasks.train.curves:stopped_run",
     pipeline="pretraining",
 )
 # The same trainer and outputs, on the data stage's rendered conversations: it takes train's place.

@@ -50,7 +50,9 @@ RUN_KEY_TAG = "forgeline.run_key"  # identifies the work a run records, across r
 ATTEMPT_TAG = "forgeline.attempts"
 # The experiment kind MLflow's UI writes when a user picks one: `custom_model_development`
 # ("Machine learning") opens the experiment on its runs in UIs that read it (the kind selector's
-# code path in the bundled JS). MLflow 3.17's UI decides by its sidebar switch instead (`?workflowType=`).
+# code path in the bundled JS). MLflow 3.17's UI ignores it: with its workflow-based navigation
+# (always on in 3.17.2's bundle) the kind follows the sidebar switch, `?workflowType=` in the
+# address, else the browser's last choice, else GenAI -- no experiment can set it (run_link).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"
 SYSTEM_METRICS_INTERVAL_S = 5
@@ -264,6 +266,22 @@ def experiment_id(client: MlflowClient, cfg: Config) -> str:
     return found.experiment_id
 
 
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a store that is no server
+
+
+def run_link(cfg: Config, run_id: str) -> str:
+    """The run's page in MLflow's UI, in its training view: MLflow 3.17's UI opens an experiment on
+    its GenAI view unless the address says `workflowType=machine_learning` (its sidebar switch;
+    it reads no experiment tag for this), and `#/experiments/<id>/runs/<run>` is its run page.
+    A store that is no server is served by `mlflow ui` first, which the line says."""
+    uri = resolve_tracking_uri(cfg)
+    experiment = MlflowClient(uri).get_run(run_id).info.experiment_id
+    page = f"#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
+    if uri.startswith(("http://", "https://")):
+        return f"{scrub(uri).rstrip('/')}/{page}"
+    return f"{LOCAL_UI}/{page} (after `mlflow ui --backend-store-uri {uri}`)"
+
+
 def layout_label(cfg: Config) -> str:
     """The parallel layout in a few characters: `dp1` on one rank, `pp2xdp2`, `dp4xtp2` (dp counts
     every data-parallel rank, replicated or sharded; the `forgeline.layout` tag splits it)."""
@@ -275,14 +293,24 @@ def layout_label(cfg: Config) -> str:
     return "x".join(degrees)
 
 
+MODEL_NAME_PREFIX = "forgeline-"  # of every shipped config's registered model: no part of a label
+
+
+def config_label(cfg: Config) -> str:
+    """The config in a word, for run names: its registered model's name without `forgeline-`
+    (`tiny`, `debug`, `mine`). A Config does not know the file it was read from."""
+    return cfg.registry.model_name.removeprefix(MODEL_NAME_PREFIX) or cfg.registry.model_name
+
+
 def run_name(what: str, cfg: Config, with_layout: bool, code: dict[str, str] | None = None) -> str:
-    """A run's name that says what it is in the runs table: `what` ran (a stage, `pipeline`), for
-    which model, on which layout (`with_layout`: for the runs that train), at which commit (of
-    `code`, default this checkout's; `-dirty` with uncommitted changes):
-    `train forgeline-tiny pp2xdp2 @1a2b3c4-dirty`. The registered model's name stands for the
-    config: a Config does not know the file it was read from."""
+    """A run's name that says what it is in the runs table, its telling words first (the table
+    cuts names short): `what` ran (a stage, `pipeline`), for which config (config_label), on
+    which layout (`with_layout`: for the runs that train), at which commit (of `code`, default
+    this checkout's; `-dirty` with uncommitted changes): `train tiny pp2xdp2 @1a2b3c4-dirty`.
+    Runs that learn more once done are renamed then: the eval run by the checkpoint it scored and
+    the version registered from it (`eval tiny step-300 v3`), the parent by the same."""
     code = git_info() if code is None else code
-    parts = [what, cfg.registry.model_name]
+    parts = [what, config_label(cfg)]
     if with_layout:
         parts.append(layout_label(cfg))
     if code["git.commit"] != "unknown":
@@ -290,18 +318,29 @@ def run_name(what: str, cfg: Config, with_layout: bool, code: dict[str, str] | N
     return " ".join(parts)
 
 
+CONTINUED_FROM_TAG = "forgeline.continued_from_parent_run_id"  # on a run another parent's rerun continued
+CONTINUED_IN_TAG = "forgeline.continued_in_run_id"  # on that earlier parent: the run, continued elsewhere
+
+
 @contextmanager
 def tracked_run(cfg: Config, name: str, parent_run_id: str | None = None,
-                tags: dict[str, str] | None = None, run_key: str | None = None) -> Iterator[RunTracker]:
+                tags: dict[str, str] | None = None, run_key: str | None = None,
+                continues: str | None = None) -> Iterator[RunTracker]:
     """An MLflow run for the block: nested under `parent_run_id` if given, else a top-level
     run that carries the flattened config and git lineage itself. Marked FINISHED, or FAILED
     (with the error as a tag) if the block raises. With `run_key`, a retry of the same work
-    reopens the run created under that key instead of starting another. Creating or reopening
-    the run needs the store; every write after that goes through the spool, so an outage once
-    the run exists costs nothing (the store gets it all when it answers)."""
+    reopens the run created under that key instead of starting another. `continues`: the run of
+    stopped work this block goes on with (a training resumed from the stopped run's checkpoint):
+    reopened as a retry's is, moved under `parent_run_id` -- one run, one loss curve -- and linked
+    both ways with the parent it was stopped under; unless it finished, or is not in this
+    experiment. Creating or reopening the run needs the store; every write after that goes
+    through the spool, so an outage once the run exists costs nothing (the store gets it all
+    when it answers)."""
     client = MlflowClient(tracking_uri=resolve_tracking_uri(cfg))
     experiment = experiment_id(client, cfg)
     run = _run_with_key(client, experiment, run_key) if run_key else None
+    if run is None and continues:
+        run = _continued_run(client, experiment, continues, name, parent_run_id, run_key)
     if run is None:
         run_tags = {MLFLOW_RUN_NAME: name, **(tags or {})}
         if parent_run_id:
@@ -387,6 +426,35 @@ def run_context_tags(cfg: Config) -> dict[str, str]:
             for out in entry.get("outs", []):
                 tags[f"dvc.lock.{stage}.{out['path']}"] = out.get("md5", "")
     return tags
+
+
+def _continued_run(client: MlflowClient, experiment: str, run_id: str, name: str, parent_run_id: str | None,
+                   run_key: str | None):
+    """The stopped run `run_id`, renamed `name` and moved under `parent_run_id` (under `run_key`,
+    for this work's retries), with the parent it was stopped under and that parent linked to it;
+    None when it is gone, finished, deleted or in another experiment."""
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        log.info("run %s, which the checkpoint records, is not in %s: a new run starts", run_id,
+                 client.tracking_uri)
+        return None
+    if run.info.experiment_id != experiment or run.info.status == "FINISHED" or \
+            run.info.lifecycle_stage != "active":
+        return None
+    earlier_parent = run.data.tags.get(MLFLOW_PARENT_RUN_ID)
+    tags = {MLFLOW_RUN_NAME: name}
+    if run_key:
+        tags[RUN_KEY_TAG] = run_key
+    if parent_run_id and earlier_parent != parent_run_id:
+        tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
+        if earlier_parent:
+            tags[CONTINUED_FROM_TAG] = earlier_parent
+            client.set_tag(earlier_parent, CONTINUED_IN_TAG, run_id)
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+    log.info("continuing MLflow run %s (stopped under pipeline run %s)", run_id, earlier_parent)
+    return client.get_run(run_id)
 
 
 def _run_with_key(client: MlflowClient, experiment: str, run_key: str):

@@ -9,8 +9,13 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from forgeline.configs import Config
+from forgeline.configs.schema import resume_fingerprint
+from forgeline.model.checkpoint.manager import committed_checkpoints
+from forgeline.model.fileio import sha256_file
 from forgeline.model.spool import spooled_metric
 from forgeline.model.training.outputs import TrainOutputs
+from forgeline.model.training.shards import MANIFEST_NAME
 from forgeline.tasks.atomic import write_text_atomic
 from forgeline.tasks.tracking import LOSS_CURVE_METRIC
 
@@ -43,3 +48,18 @@ def earlier_curve(outputs: TrainOutputs) -> dict[int, float]:
         return {}
     with outputs.loss_csv.open() as f:
         return {int(row["step"]): float(row["loss"]) for row in csv.DictReader(f)}
+
+
+def stopped_run(cfg: Config) -> str | None:
+    """The MLflow run of training that stopped before its last step (a SIGTERM, a preemption, a
+    crash) and that this config resumes: the run its latest checkpoint records, when that
+    checkpoint is short of train.steps and resumable here (its fingerprint is this config's and
+    data's). The train stage continues that run, so that one run holds the whole loss curve."""
+    manifest = Path(cfg.data.out_dir) / MANIFEST_NAME
+    latest = next(iter(committed_checkpoints(TrainOutputs(Path(cfg.train.out_dir)).checkpoints)), None)
+    if latest is None or latest.step >= cfg.train.steps or not manifest.is_file():
+        return None
+    base_sha256 = (latest.manifest.get("base") or {}).get("weights_sha256")
+    if latest.manifest["fingerprint"] != resume_fingerprint(cfg, sha256_file(manifest), base_sha256):
+        return None
+    return latest.manifest.get("mlflow_run_id")
