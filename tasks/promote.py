@@ -228,6 +228,22 @@ class Decision:
     reasons: list[str] = field(default_factory=list)
     advice: str = ""  # for an inconclusive decision: what would resolve it
     forced: bool = False  # `--force`: the alias moved without the gate
+    gist: str = ""  # what decided it, in a few words (one_line); the reasons say it in full
+
+    def one_line(self) -> str:
+        """The decision in one line: the version's description, which the registry's pages show
+        first (the tags hold the evidence). `promoted to champion over version 2: better on
+        reasoning (+0.021 ± 0.008), no dimension worse`; `rejected against champion version 2:
+        worse on knowledge (-0.030 ± 0.011)`."""
+        if self.outcome == PROMOTED:
+            if self.champion_before is None:
+                return "promoted to champion: the first version, no champion to compare with"
+            if self.forced:
+                return f"promoted to champion by --force over version {self.champion_before} (no gate)"
+            head = f"promoted to champion over version {self.champion_before}"
+        else:
+            head = f"{self.outcome} against champion version {self.champion_before}"
+        return f"{head}: {self.gist or (self.reasons[0] if self.reasons else self.outcome)}"
 
     @property
     def promoted(self) -> bool:
@@ -351,15 +367,55 @@ def decide(cfg: Config, client: MlflowClient, candidate: ModelVersion,
         champion_items = champion_on_items(cfg, client, champion, candidate_items)
     except Unpaired as err:  # no evidence either way: the version stays registered, the alias stays
         return Decision(candidate.name, str(candidate.version), str(champion.version), INCONCLUSIVE,
-                        [f"not compared: {err}"]), {}
+                        [f"not compared: {err}"], gist="not compared: " + str(err).partition(":")[0]), {}
     rcfg = cfg.registry
     comparison = paired_comparison(candidate_items.items, champion_items.items, candidate_items.scores(),
                                    rcfg.promotion_margin)
     verdict = judge(comparison, list(champion_items.plan), rcfg.max_dimension_regression)
     advice = resolution(comparison, candidate_items.plan) if verdict.outcome == INCONCLUSIVE else ""
     decision = Decision(candidate.name, str(candidate.version), str(champion.version), verdict.outcome,
-                        verdict.reasons, advice)
+                        verdict.reasons, advice, gist=gist(verdict, comparison, list(champion_items.plan)))
     return decision, evidence_tags(comparison, str(champion.version), advice)
+
+
+def short_interval(difference: float, ci95: list[float] | None) -> str:
+    """`+0.021 ± 0.008`: the difference and the half-width of its 95 % interval."""
+    return f"{difference:+.3f}" + ("" if ci95 is None else f" ± {(ci95[1] - ci95[0]) / 2:.3f}")
+
+
+def gist(verdict: Verdict, comparison: dict, champion_dimensions: list[str]) -> str:
+    """What decided the verdict, in a few words: the dimensions significantly better and worse
+    with their differences, the overall against the margin where it decided, a dimension missing."""
+    dimensions, margin = comparison["dimensions"], comparison["margin"]
+    missing = [name for name in champion_dimensions if name not in dimensions]
+    overall = f"overall {short_interval(comparison['overall'], comparison['overall_ci95'])}"
+    if verdict.reasons and verdict.reasons[0].startswith("no shared items"):
+        return verdict.reasons[0]
+    if comparison["overall_p_value"] is None:
+        words = [f"not evaluated on {', '.join(missing)}"] if missing else []
+        return ", ".join([*words, f"{overall}, too few shared items to decide"])
+    corrected = corrected_p_values(comparison)
+
+    def listed(names: list[str]) -> str:
+        intervals = {name: short_interval(dimensions[name]["difference"], dimensions[name]["ci95"])
+                     for name in names}
+        return ", ".join(f"{name} ({interval})" for name, interval in intervals.items())
+
+    better, worse = better_dimensions(dimensions, corrected), worse_dimensions(dimensions, corrected)
+    words = [f"not evaluated on {', '.join(missing)}"] if missing else []
+    if corrected[OVERALL] <= ALPHA:
+        side = "above" if comparison["overall"] >= margin else "below"
+        words.append(f"{overall}, {side} the margin {margin:g}")
+    if better:
+        words.append(f"better on {listed(better)}")
+    if worse:
+        words.append(f"worse on {listed(worse)}")
+    elif verdict.outcome == PROMOTED:
+        words.append("no dimension worse")
+    if not words:
+        words.append(f"{overall}; no dimension decided" if not identical(comparison)
+                     else f"{overall}, identical on every shared item")
+    return ", ".join(words)
 
 
 def decided(cfg: Config, client: MlflowClient, candidate: ModelVersion, champion: ModelVersion | None,
@@ -413,6 +469,7 @@ def record(client: MlflowClient, candidate: ModelVersion, decision: Decision, ev
         lease.check()
         client.set_registered_model_alias(name, CHAMPION_ALIAS, number)
         client.set_model_version_tag(name, number, DECISION_TAG, decision.record()[:5000])
+    client.update_model_version(name, number, description=decision.one_line())
     if decision.promoted or PENDING_TAG in candidate.tags:  # done, or left by an attempt that died
         client.delete_model_version_tag(name, number, PENDING_TAG)
 

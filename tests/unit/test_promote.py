@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import socket
 from pathlib import Path
 
@@ -336,3 +337,39 @@ def test_the_registration_key_is_the_model_name_checkpoint_tokenizer_and_scores(
     assert key != registration_key("m", checkpoint, tokenizer, {"overall": 0.25})
     (checkpoint / "forgeline-checkpoint.json").write_text(json.dumps({"of": "another training attempt"}))
     assert key != registration_key("m", checkpoint, tokenizer, {"overall": 0.5})
+
+
+def test_the_decision_is_one_line_in_the_versions_description(tmp_path: Path) -> None:
+    """What the registry's version page shows first: the first version promoted for want of a
+    champion, a better one promoted naming the dimension it won, a worse one rejected naming the
+    one it lost -- each with the difference and its 95 % half-width."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = Config().with_values({"registry.tracking_uri": uri, "registry.model_name": "m"})
+    client = MlflowClient(uri, uri)
+    experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
+    client.create_registered_model("m")
+
+    def register(rates: dict[str, float]) -> str:
+        run = client.create_run(experiment).info.run_id
+        items = {task: {"ids": entry.ids, "values": entry.values, "clusters": None}
+                 for task, entry in draws("same items, same draws", rates).items()}
+        record = {"suite": {"fingerprint": "suite-1", "plan": PLAN, "scoring": {"max_length": 64}},
+                  "model": items}
+        path = tmp_path / run / "items.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(record))
+        client.log_artifact(run, str(path), "eval")
+        version = client.create_model_version("m", str(tmp_path), run_id=run,
+                                              tags={REGISTRATION_TAG: COMPLETE})
+        promote(cfg, client, str(version.version))
+        return client.get_model_version("m", str(version.version)).description
+
+    assert register(CHAMPION) == "promoted to champion: the first version, no champion to compare with"
+    better = register(CHAMPION | {"forgeline_piqa": 0.95, "forgeline_boolq": 0.95})
+    change = r"0\.\d{3} ± 0\.\d{3}"
+    assert re.fullmatch(rf"promoted to champion over version 1: (overall \+{change}, above the margin 0, )?"
+                        rf"better on reasoning \(\+{change}\), no dimension worse", better), better
+    worse = register(CHAMPION | {"forgeline_piqa": 0.95, "forgeline_boolq": 0.95, "forgeline_mmlu": 0.05})
+    assert re.fullmatch(rf"rejected against champion version 2: .*worse on knowledge \(-{change}\)",
+                        worse), worse
+    assert str(aliased(client, "m", CHAMPION_ALIAS).version) == "2"
