@@ -7,22 +7,18 @@ content and the end-of-turn token that closes it, 0 on everything else -- system
 turns, the assistant header (`<|im_start|>assistant\\n`), what a template writes after the
 end-of-turn token.
 
-The mask is derived from the template's own renderings of the conversation's prefixes, with no
-markers in the template. For the assistant turn at position i:
+Which characters an assistant turn trains is found in the rendering of the whole conversation
+(`assistant_spans`): from the end of the generation prompt of the turns before it (the header,
+`<|im_start|>assistant\\n`, or Mistral's `[/INST]`) through the template's end-of-turn token after
+the turn's content (eval/chat.py's `end_of_turn`, the token generation stops at), the content
+located by a marker appended to it. A template with `{% generation %}` markers says itself what
+is trained, as transformers' return_assistant_tokens_mask reads them. The characters are then
+mapped to tokens by their offsets: a token is trained when it covers a trained character
+(transformers' own rule; tests/unit/test_chat_masks.py compares the two, and
+tests/unit/test_chat_families.py checks each template family's trained tokens by hand).
 
-    prompt = render(messages[:i], add_generation_prompt=True)   ends with the assistant header
-    upto   = render(messages[:i + 1])                           ends after the turn
-
-The turn's trained characters run from the end of `prompt` to the end of the last special token
-in `upto` after it: the end-of-turn token (a reply's own text may spell a special token, but the
-template writes the closing one after it). This needs a template that renders a conversation's
-prefixes as prefixes of its whole rendering and writes an assistant header for
-add_generation_prompt -- ChatML (SmolLM2), Llama 3, Gemma, Mistral do; a template that rewrites
-earlier turns fails with a clear error. The characters are then mapped to tokens by their
-offsets: a token is trained when it covers a trained character. transformers'
-`apply_chat_template(..., return_assistant_tokens_mask=True)` marks the same tokens for a
-template with `{% generation %}` markers around the content and end-of-turn token
-(tests/unit/test_chat_masks.py compares the two).
+`render_pieces` splits a conversation longer than a row at turn boundaries instead of cutting it
+(the data stage's way); `sft.train_on` picks every assistant turn or the last one.
 """
 
 from __future__ import annotations
@@ -30,17 +26,23 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from jinja2 import TemplateError
+
+from forgeline.eval.chat import end_of_turn, special_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 Message = dict[str, str]
+TrainOn = Literal["all_assistant", "last_assistant"]  # sft.train_on
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # as transformers finds the markers
 
 
 class ChatTemplateError(ValueError):
@@ -53,6 +55,14 @@ class Rendered:
     ids: np.ndarray  # (n,) int64 token ids, at most the `max_tokens` asked for
     mask: np.ndarray  # (n,) uint8: 1 on the assistant tokens the model learns to produce
     truncated: bool  # the rendering held more tokens than `max_tokens`
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A conversation as the data stage trains on it: whole, or split at turn boundaries."""
+
+    rendered: list[tuple[list[Message], Rendered]]  # each piece's messages and rendering, in order
+    dropped_turns: int  # exchanges with a reply left out: alone (with the system turn) longer than a row
 
 
 def conversation_text(messages: list[Message]) -> str:
@@ -104,29 +114,193 @@ def template_sha256(template: str) -> str:
 
 
 def render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], max_tokens: int | None = None,
-           chat_template: str | None = None) -> Rendered:
+           chat_template: str | None = None, train_on: TrainOn = "all_assistant") -> Rendered:
     """`messages` as the chat template (`chat_template`, else the tokenizer's) writes them, tokenized
-    as transformers' apply_chat_template does (no special tokens added), with the assistant mask;
-    cut to the first `max_tokens` tokens when longer (the mask with them)."""
+    as transformers' apply_chat_template does (no special tokens added), with the mask of the
+    assistant turns `train_on` names; cut to the first `max_tokens` tokens when longer (the mask
+    with them). The data stage never cuts: it splits a long conversation (`render_pieces`)."""
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
             _check_turn(messages, i)
-    renderer = functools.partial(_render_text, tokenizer, chat_template)
-    text = renderer(messages)
+    template = _template_text(tokenizer, chat_template)
+    text, spans = assistant_spans(tokenizer, template, messages, train_on)
     all_ids, offsets = _encode(tokenizer, text, messages)
     truncated = max_tokens is not None and len(all_ids) > max_tokens
     kept = max_tokens if truncated else len(all_ids)
-    # Turns are located up to the last kept character only: a long conversation cut to a row costs
-    # the renderings of the turns in the row, not of all its turns.
-    limit = offsets[kept - 1][1] if kept else 0
-    spans = []
-    for i in (i for i, message in enumerate(messages) if message["role"] == "assistant"):
-        prompt = renderer(messages[:i], add_generation_prompt=True)
-        if len(prompt) >= limit:
-            break
-        spans.append(_assistant_span(renderer, messages, i, prompt, text, _special_tokens(tokenizer)))
     ids, mask = np.array(all_ids[:kept], np.int64), _token_mask(offsets[:kept], spans)
     return Rendered(text, ids, mask, truncated)
+
+
+def render_pieces(tokenizer: PreTrainedTokenizerBase, messages: list[Message], max_tokens: int,
+                  chat_template: str | None = None, train_on: TrainOn = "all_assistant") -> Pieces:
+    """`messages` rendered whole when they fit in `max_tokens`; else split at turn boundaries into
+    pieces that do, each the system turn (if any) and consecutive exchanges -- an exchange runs
+    from a user turn to the next user turn that follows another role --, as many as fit, in order;
+    with `last_assistant`, the one piece of the most exchanges that fit and end the conversation.
+    An exchange that does not fit alone (with the system turn) is dropped and counted."""
+    template = _template_text(tokenizer, chat_template)
+    if _length(tokenizer, template, messages) <= max_tokens:
+        return Pieces([(messages, render(tokenizer, messages, None, template, train_on))], 0)
+    system = messages[:1] if messages[0]["role"] == "system" else []
+    exchanges = _exchanges(messages[len(system):])
+
+    def fits(first: int, end: int) -> bool:
+        return _length(tokenizer, template, system + _joined(exchanges[first:end])) <= max_tokens
+
+    spans, dropped = [], 0  # spans: (first, end) exchanges of each piece
+    if train_on == "last_assistant":
+        last = max(n for n, exchange in enumerate(exchanges) if _has_reply(exchange)) + 1
+        if fits(last - 1, last):
+            lo, hi = 0, last - 1  # the earliest first exchange that fits: fits(hi, last) holds
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if fits(mid, last) else (mid + 1, hi)
+            spans.append((hi, last))
+        else:
+            dropped = 1
+    else:
+        first = 0
+        while first < len(exchanges):
+            if not fits(first, first + 1):
+                dropped += _has_reply(exchanges[first])
+                first += 1
+                continue
+            lo, hi = first + 1, len(exchanges)  # the last end that fits: fits(first, lo) holds
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(first, mid) else (lo, mid - 1)
+            spans.append((first, lo))
+            first = lo
+    pieces = [system + _joined(exchanges[a:b]) for a, b in spans]
+    return Pieces([(piece, render(tokenizer, piece, None, template, train_on))
+                   for piece in pieces if any(m["role"] == "assistant" for m in piece)], dropped)
+
+
+def _exchanges(turns: list[Message]) -> list[list[Message]]:
+    """The turns after the system turn, cut before each user turn that follows another role."""
+    out: list[list[Message]] = []
+    for n, turn in enumerate(turns):
+        if not out or (turn["role"] == "user" and turns[n - 1]["role"] != "user"):
+            out.append([])
+        out[-1].append(turn)
+    return out
+
+
+def _joined(exchanges: list[list[Message]]) -> list[Message]:
+    return [turn for exchange in exchanges for turn in exchange]
+
+
+def _has_reply(exchange: list[Message]) -> bool:
+    return any(turn["role"] == "assistant" for turn in exchange)
+
+
+def _length(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[Message]) -> int:
+    return len(_encode(tokenizer, _render_text(tokenizer, template, messages), messages)[0])
+
+
+def _template_text(tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> str:
+    template = chat_template or tokenizer.chat_template
+    if not isinstance(template, str):
+        raise ChatTemplateError("no chat template to render conversations with: set data.chat_template")
+    return template
+
+
+def assistant_spans(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[Message],
+                    train_on: TrainOn = "all_assistant") -> tuple[str, list[tuple[int, int]]]:
+    """The conversation's text and, in order, the character spans of it that the assistant turns
+    `train_on` names train: each turn's content and the end-of-turn token that closes it.
+
+    A template with `{% generation %}` markers says it itself (transformers' renderer, as
+    apply_chat_template(..., return_assistant_tokens_mask=True) reads them). Otherwise a turn's
+    span is found in the rendering of the whole conversation -- never in a rendering of a prefix
+    of it, which a template may write differently (Qwen3 writes an empty <think> block in the last
+    turn only; Mistral v3 folds the system turn into the last user turn):
+
+    - its content ends where a marker character appended to the content lands (one rendering with
+      every reply marked; the markers removed, it must be the conversation's own text);
+    - it starts where the generation prompt of the turns before it ends, when the text begins with
+      that prompt: what the model writes after the prompt is trained, a template's own <think>
+      block or leading space too; else at the content (found by another marker);
+    - it ends after the template's end-of-turn token (eval/chat.py's `end_of_turn`: one definition
+      for masks and for generation's stop), the first after the content, with no other special
+      token between them.
+    """
+    assistants = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    if GENERATION_TAG.search(template):
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        [text], [spans] = render_jinja_template(conversations=[messages], chat_template=template,
+                                                return_assistant_tokens_mask=True,
+                                                **tokenizer.special_tokens_map)
+        if train_on == "last_assistant":  # the spans after the turns before the last reply
+            before = _render_text(tokenizer, template, messages[:assistants[-1]])
+            spans = ([span for span in spans if span[0] >= len(before)] if text.startswith(before)
+                     else spans[-1:])
+        return text, [tuple(span) for span in spans]
+    text = _render_text(tokenizer, template, messages)
+    token = _end_of_turn(tokenizer, template)
+    specials = special_tokens(tokenizer)
+    ends = _marked(tokenizer, template, messages, text,
+                   lambda lead, core, trail, mark: lead + core + mark + trail)
+    turns = assistants[-1:] if train_on == "last_assistant" else assistants
+    spans, starts = [], None
+    for i in turns:
+        end = ends[assistants.index(i)]
+        prompt = _render_text(tokenizer, template, messages[:i], add_generation_prompt=True)
+        if text.startswith(prompt) and len(prompt) <= end:
+            start = len(prompt)
+        else:
+            if starts is None:
+                starts = _marked(tokenizer, template, messages, text,
+                                 lambda lead, core, trail, mark: lead + mark + core + trail)
+            start = starts[assistants.index(i)]
+        close = text.find(token, end)
+        if close < 0 or any(other in text[end:close] for other in specials):
+            raise ChatTemplateError(f"the chat template does not close assistant turn {i} with its "
+                                    f"end-of-turn token {token!r}, so the turn's end cannot be told")
+        spans.append((start, close + len(token)))
+    return text, spans
+
+
+def _marked(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[Message], text: str,
+            mark_content: Callable[[str, str, str, str], str]) -> list[int]:
+    """Where in `text` a mark placed in each assistant turn's content (`mark_content(leading
+    whitespace, stripped content, trailing whitespace, mark)`) lands, in turn order: the
+    conversation is rendered once with the marks, which must be the text itself once they are
+    removed (a template that rewrites a reply otherwise cannot be followed)."""
+    contents = "".join(message["content"] for message in messages)
+    mark = next(chr(code) for code in range(0xE000, 0xF900) if chr(code) not in contents)  # private use
+    marked = []
+    for message in messages:
+        if message["role"] == "assistant":
+            content = message["content"]
+            core = content.strip()
+            lead = content[:len(content) - len(content.lstrip())]
+            message = {**message, "content": mark_content(lead, core, content[len(lead) + len(core):], mark)}
+        marked.append(message)
+    out = _render_text(tokenizer, template, marked)
+    places = [n - k for k, n in enumerate(n for n, char in enumerate(out) if char == mark)]
+    if out.replace(mark, "") != text or len(places) != sum(m["role"] == "assistant" for m in messages):
+        raise ChatTemplateError("the chat template rewrites an assistant turn's text (or leaves one out), so "
+                                "its trained tokens cannot be located; use a template that writes each reply "
+                                "as it is, or one with {% generation %} markers")
+    return places
+
+
+@functools.lru_cache(maxsize=8)
+def _end_of_turn_cached(tokenizer: PreTrainedTokenizerBase, template: str) -> str | None:
+    return end_of_turn(tokenizer, template)
+
+
+def _end_of_turn(tokenizer: PreTrainedTokenizerBase, template: str) -> str:
+    try:
+        token = _end_of_turn_cached(tokenizer, template)
+    except TemplateError as err:
+        raise ChatTemplateError(f"the chat template rejects a user turn and a reply: {err}") from None
+    if token is None:
+        raise ChatTemplateError("the chat template closes an assistant turn with no special token: nothing "
+                                "would teach the model to stop; use a template with an end-of-turn token")
+    return token
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str, messages: list[Message],
@@ -135,12 +309,12 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str, messages: list[Messag
     such, but a turn's content always tokenized as text: a reply that spells `<|im_end|>` must not
     train an end of turn in mid-reply, nor a user turn forge a header. Content without a special
     token's text is left to the whole text's tokenization (the same ids as transformers')."""
-    special_tokens = _special_tokens(tokenizer)
+    specials = special_tokens(tokenizer)
     pieces, cursor, done = [], 0, 0  # pieces: (start, end, tokenized as text), in order
     for message in messages:
         content = message["content"]
         start = text.find(content, cursor) if content else -1
-        forged = any(token in content for token in special_tokens)
+        forged = any(token in content for token in specials)
         if forged and start < 0:
             raise ChatTemplateError("a turn spells a special token and the chat template rewrites its "
                                     "text, so it cannot be kept from becoming a control token")
@@ -161,7 +335,7 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str, messages: list[Messag
     return ids, offsets
 
 
-def _render_text(tokenizer: PreTrainedTokenizerBase, chat_template: str | None, messages: list[Message],
+def _render_text(tokenizer: PreTrainedTokenizerBase, chat_template: str, messages: list[Message],
                  add_generation_prompt: bool = False) -> str:
     try:
         return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
@@ -171,10 +345,6 @@ def _render_text(tokenizer: PreTrainedTokenizerBase, chat_template: str | None, 
         raise ChatTemplateError(f"the chat template rejects a conversation of roles {roles}: {err}") from None
 
 
-def _special_tokens(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
-    return tuple(token.content for token in tokenizer.added_tokens_decoder.values() if token.special)
-
-
 def _check_turn(messages: list[Message], i: int) -> None:
     if not messages[i]["content"].strip():
         raise ChatTemplateError(f"assistant turn {i} is empty: there is nothing to learn from it; drop the "
@@ -182,26 +352,6 @@ def _check_turn(messages: list[Message], i: int) -> None:
     if i == 0:
         raise ChatTemplateError("the conversation starts with an assistant turn, which nothing prompts; "
                                 "drop the conversation or give it a user turn first")
-
-
-def _assistant_span(renderer: functools.partial, messages: list[Message], i: int, prompt: str, text: str,
-                    special_tokens: tuple[str, ...]) -> tuple[int, int]:
-    """The characters of `text` that assistant turn `i` (prompted by `prompt`) trains: its content
-    and end-of-turn token."""
-    if prompt == renderer(messages[:i]):
-        raise ChatTemplateError("the chat template writes no assistant header for add_generation_prompt, so "
-                                "the header cannot be told from the reply; use a template that does")
-    upto = renderer(messages[:i + 1])
-    if not (upto.startswith(prompt) and text.startswith(upto)):
-        raise ChatTemplateError("the chat template does not render a conversation's first turns as the "
-                                "beginning of its rendering (it rewrites earlier turns), so the assistant "
-                                "turns cannot be located; use a template that renders turns in order")
-    end = max((upto.rfind(token, len(prompt)) + len(token) for token in special_tokens
-               if upto.find(token, len(prompt)) >= 0), default=None)
-    if end is None:
-        raise ChatTemplateError("the chat template closes an assistant turn with no special token: nothing "
-                                "would teach the model to stop; use a template with an end-of-turn token")
-    return len(prompt), end
 
 
 def _token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
