@@ -5,9 +5,11 @@ read from the run's tracking spool, which holds it whether or not the store has 
 from __future__ import annotations
 
 import csv
+import logging
 from pathlib import Path
 
 from matplotlib.figure import Figure
+from mlflow import MlflowClient
 
 from forgeline.configs import Config
 from forgeline.configs.schema import resume_fingerprint
@@ -19,18 +21,26 @@ from forgeline.model.training.shards import MANIFEST_NAME
 from forgeline.tasks.atomic import write_text_atomic
 from forgeline.tasks.tracking import LOSS_CURVE_METRIC
 
+log = logging.getLogger(__name__)
 
-def write_loss_curve(spool: Path, run_id: str, outputs: TrainOutputs) -> None:
+
+def write_loss_curve(spool: Path, run_id: str, outputs: TrainOutputs,
+                     client: MlflowClient | None = None) -> None:
     """The curve of the steps this run logged, after the steps of the curve already there that
     came before them: a run that resumed from a checkpoint logs only the steps after it (none
-    when it resumed at the last step), and keeps the curve of the run that trained up to it."""
+    when it resumed at the last step), and keeps the curve of the run that trained up to it.
+    A run that continues a stopped one (tasks/tracking.py tracked_run) has its earlier steps in
+    the spool, or once `forgeline sync` removed that, in the store (`client`'s), read then only."""
     # A restarted run logs the steps after its checkpoint again: the latest value of a step wins.
     # Values as the csv keeps them (6 digits), in the plot too: a curve drawn again from the csv
     # is the same picture, to the byte.
-    spooled = sorted(spooled_metric(spool, run_id, LOSS_CURVE_METRIC))  # by time: the latest wins
-    logged = {step: float(f"{value:.6g}") for _, value, step in spooled}
+    spooled = spooled_metric(spool, run_id, LOSS_CURVE_METRIC)
+    earlier = earlier_curve(outputs)
+    if client is not None and min((step for _, _, step in spooled), default=1) > 1 and not earlier:
+        spooled += stored_losses(client, run_id)
+    logged = {step: float(f"{value:.6g}") for _, value, step in sorted(spooled)}  # by time: the latest wins
     resumed_at = min(logged, default=float("inf"))
-    curve = {step: loss for step, loss in earlier_curve(outputs).items() if step < resumed_at} | logged
+    curve = {step: loss for step, loss in earlier.items() if step < resumed_at} | logged
     rows = sorted(curve.items())
     write_text_atomic(outputs.loss_csv, "step,loss\n" + "".join(f"{s},{v:.6g}\n" for s, v in rows))
     figure = Figure(figsize=(7, 4))  # no pyplot: no display, no global state
@@ -41,6 +51,16 @@ def write_loss_curve(spool: Path, run_id: str, outputs: TrainOutputs) -> None:
     axes.set_title("training loss")
     figure.tight_layout()
     figure.savefig(outputs.loss_plot, dpi=100)
+
+
+def stored_losses(client: MlflowClient, run_id: str) -> list[tuple[int, float, int]]:
+    """(timestamp, value, step) of the run's loss in the store; none when it does not answer."""
+    try:
+        return [(m.timestamp, m.value, m.step) for m in client.get_metric_history(run_id, LOSS_CURVE_METRIC)]
+    except Exception as err:  # noqa: BLE001 -- a store that fails leaves the spool's curve
+        log.warning("the loss curve has only the steps in the tracking spool: the store did not answer (%s)",
+                    str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
+        return []
 
 
 def earlier_curve(outputs: TrainOutputs) -> dict[int, float]:

@@ -123,7 +123,7 @@ def train_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> Trai
     then the loss curve."""
     trained = train_model(cfg, mlflow_run_id=run.run_id)
     outputs = TrainOutputs(Path(trained.out_dir))
-    write_loss_curve(Path(cfg.ops.tracking_spool), run.run_id, outputs)
+    write_loss_curve(Path(cfg.ops.tracking_spool), run.run_id, outputs, run.client)
     for job_output in sorted(outputs.slurm_jobs.glob("slurm-*.out")):  # parallel.launcher=slurm
         run.log_artifact(job_output, "slurm")
     return trained

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlflow import MlflowClient
+from mlflow.entities import Metric
 
 from forgeline.model.spool import TrackingSpool
 from forgeline.model.training.outputs import TrainOutputs
@@ -46,3 +47,20 @@ def test_a_resumed_run_keeps_the_curve_before_its_resume_point(tmp_path: Path) -
     retrained = {step: 2.0 for step in range(1, 6)}  # another configuration: from step 1
     write_loss_curve(spool, run_with_losses(client, spool, retrained), outputs)
     assert earlier_curve(outputs) == retrained
+
+
+def test_a_continued_run_whose_earlier_steps_left_the_spool_draws_them_from_the_store(tmp_path: Path) -> None:
+    """A training stopped and continued in the same run (tasks/tracking.py tracked_run) after
+    `forgeline sync` removed the stopped attempt's spool: steps 1-10 are in the store only."""
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    spool = tmp_path / "spool"
+    outputs = TrainOutputs(tmp_path / "train")
+    outputs.root.mkdir()
+    resumed = {step: 5.0 for step in range(11, 21)}
+    run_id = run_with_losses(client, spool, resumed)
+    client.log_batch(run_id, [Metric("loss", 10.0 - step / 7, 1000 + step, step) for step in range(1, 11)])
+    write_loss_curve(spool, run_id, outputs)  # without the store: the spool's steps alone
+    assert earlier_curve(outputs) == resumed
+    outputs.loss_csv.unlink()
+    write_loss_curve(spool, run_id, outputs, client)
+    assert sorted(earlier_curve(outputs)) == list(range(1, 21))
