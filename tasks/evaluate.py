@@ -50,6 +50,7 @@ import lm_eval.evaluator
 from lm_eval.loggers.utils import get_commit_from_path
 from lm_eval.tasks import TaskManager
 from matplotlib.figure import Figure
+from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
 from forgeline.configs import Config
 from forgeline.configs.schema import DimensionConfig, EvalConfig
@@ -65,12 +66,12 @@ from forgeline.eval.scores import (
     stderr_metrics,
 )
 from forgeline.eval.suite import render_suite, suite_fingerprint, suite_task_manager
-from forgeline.model.checkpoint.manager import CheckpointError, verify_checkpoint
+from forgeline.model.checkpoint.manager import CheckpointError, read_checkpoint_manifest, verify_checkpoint
 from forgeline.model.fileio import sha256_file
 from forgeline.model.inference import checkpoint_shape
 from forgeline.tasks.atomic import write_text_atomic
 from forgeline.tasks.pretrained import Base, forgeline_cache, recorded_base
-from forgeline.tasks.tracking import RunTracker
+from forgeline.tasks.tracking import RunTracker, config_label
 from forgeline.tasks.train.job import read_train_summary
 
 log = logging.getLogger(__name__)
@@ -171,15 +172,51 @@ def eval_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> EvalR
     return evaluate_model(cfg)
 
 
+EVAL_RUN_TAG = "forgeline.eval_run_id"  # on the parent: its eval stage's run (the register stage names it)
+TRAIN_RUN_TAG = "forgeline.train_run_id"  # on an eval run and a model version: the run that trained it
+
+
 def record_eval(cfg: Config, run: RunTracker, parent: RunTracker | None, result: EvalResult) -> None:
-    """Every score, the report, lm-eval's results, the per-item values and the chart; the scores
-    and chart on the parent."""
-    run.log_metrics(result.metrics)
+    """What it scored -- the checkpoint, its step and the run that trained it -- as params, tags
+    and in the run's name (`eval tiny step-300`); every score under `eval/...` (the parent's
+    name for it too), the report, lm-eval's results, the per-item values and the chart; the
+    scores and chart on the parent."""
+    scored = scored_checkpoint(result.checkpoint)
+    run.log_params({"checkpoint": scored["checkpoint"], "checkpoint_step": scored["step"],
+                    "train_run_id": scored["train_run_id"] or "unknown"})
+    run.set_tags({"forgeline.checkpoint": scored["checkpoint"], "forgeline.checkpoint_step": scored["step"],
+                  **({TRAIN_RUN_TAG: scored["train_run_id"]} if scored["train_run_id"] else {}),
+                  MLFLOW_RUN_NAME: eval_run_name(cfg, scored["step"])})
+    metrics = eval_metric_names(result.metrics)
+    run.log_metrics(metrics)
     for name in (REPORT_NAME, RESULTS_NAME, ITEMS_NAME, CHART_NAME):
         run.log_artifact(Path(result.out_dir) / name, "eval")
     if parent:
-        parent.log_metrics({f"eval/{k}": v for k, v in result.metrics.items()})
+        parent.log_metrics(metrics)
         parent.log_artifact(Path(result.out_dir) / CHART_NAME, "eval")
+        parent.set_tags({EVAL_RUN_TAG: run.run_id})
+
+
+def eval_metric_names(metrics: dict[str, float]) -> dict[str, float]:
+    """The eval's scores as MLflow names them, on the eval run and its parent alike: `eval/overall`,
+    `eval/dimension/<name>`, `eval/stderr/...` -- what the in-training evaluation names its too."""
+    return {f"eval/{key}": value for key, value in metrics.items()}
+
+
+def scored_checkpoint(checkpoint: str | Path) -> dict[str, str | None]:
+    """The checkpoint an evaluation scored: its path, its step and the MLflow run that trained it
+    (its manifest's record; None for a checkpoint written before it kept one)."""
+    try:
+        manifest = read_checkpoint_manifest(Path(checkpoint))
+    except FileNotFoundError:  # removed since (a cached evaluation's): its name says the step
+        manifest = {"step": int(Path(checkpoint).name.removeprefix("step-"))}
+    return {"checkpoint": str(Path(checkpoint).resolve()), "step": str(manifest["step"]),
+            "train_run_id": manifest.get("mlflow_run_id")}
+
+
+def eval_run_name(cfg: Config, step: str, version: str | None = None) -> str:
+    """`eval tiny step-300`, and once registered `eval tiny step-300 v3`: what it evaluated."""
+    return " ".join(["eval", config_label(cfg), f"step-{step}", *([f"v{version}"] if version else [])])
 
 
 Plan = dict[str, tuple[list[TaskScore], DimensionConfig]]

@@ -40,6 +40,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.models.signature import ModelSignature
 from mlflow.types.schema import Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
 from mlflow.utils.logging_utils import MLFLOW_LOGGING_STREAM
+from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forgeline.configs import Config
@@ -50,10 +51,10 @@ from forgeline.model.hf import export_hf
 from forgeline.model.inference import export_checkpoint_adapter, load_from_checkpoint
 from forgeline.model.spool import NotLanded
 from forgeline.tasks.atomic import write_text_atomic
-from forgeline.tasks.evaluate import ITEMS_NAME, read_eval_metrics
+from forgeline.tasks.evaluate import EVAL_RUN_TAG, ITEMS_NAME, TRAIN_RUN_TAG, eval_run_name, read_eval_metrics
 from forgeline.tasks.pretrained import COMPLETE, INCOMPLETE, REGISTRATION_TAG, is_complete
 from forgeline.tasks.promote import PromotionLockError, aliased, promote, recorded_decision
-from forgeline.tasks.tracking import DATA_VERSION_TAG, RunTracker, dvc_hash
+from forgeline.tasks.tracking import DATA_VERSION_TAG, RunTracker, config_label, dvc_hash, tracker_for
 from forgeline.tasks.train.job import read_train_summary
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,9 @@ def register_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> R
         raise RegistrationError(f"the eval's per-item results did not reach the registry's store: {err}. "
                                 "Nothing was registered; rerun the register stage once the store "
                                 "answers") from err
+    if parent:  # the runs that made it (the store answered just now)
+        made_by = run.client.get_run(parent.run_id).data.tags
+        version_tags |= {tag: made_by[tag] for tag in (TRAIN_RUN_TAG, EVAL_RUN_TAG) if tag in made_by}
     key = registration_key(cfg.registry.model_name, Path(train.checkpoint), tokenizer_dir, scores)
     registered = register_model(cfg, run, train.checkpoint, str(tokenizer_dir), version_tags, key)
     uri = run.client.tracking_uri
@@ -202,10 +206,39 @@ def is_version_score(metric: str) -> bool:
 
 def record_registration(cfg: Config, run: RunTracker, parent: RunTracker | None,
                         result: RegisterResult) -> None:
-    run.set_tags({"forgeline.model_version": result.version})
-    if parent:
-        parent.set_tags({"forgeline.model_name": result.model_name,
-                         "forgeline.model_version": result.version})
+    """The version on the register run; with a parent, on the parent and on the runs it holds
+    that made the version -- the eval run (`forgeline.model_version`, named `eval tiny step-300
+    v3`), the train run -- and in their names, so that the runs table tells one pipeline run's
+    from another's."""
+    version = f"v{result.version}"
+    own = run.client.get_run(run.run_id).data.tags.get(MLFLOW_RUN_NAME, "register")
+    run.set_tags({MODEL_VERSION_TAG: result.version, MLFLOW_RUN_NAME: with_version(own, cfg, version)})
+    if not parent:
+        return
+    tags = run.client.get_run(parent.run_id).data.tags
+    parent.set_tags({"forgeline.model_name": result.model_name, MODEL_VERSION_TAG: result.version,
+                     MLFLOW_RUN_NAME: with_version(tags.get(MLFLOW_RUN_NAME, "pipeline"), cfg, version)})
+    if eval_run := tags.get(EVAL_RUN_TAG):
+        scored = run.client.get_run(eval_run).data.params.get("checkpoint_step", "unknown")
+        tracker_for(cfg, eval_run, run.client).set_tags(
+            {MODEL_VERSION_TAG: result.version, MLFLOW_RUN_NAME: eval_run_name(cfg, scored, result.version)})
+    if train_run := tags.get(TRAIN_RUN_TAG):
+        name = run.client.get_run(train_run).data.tags.get(MLFLOW_RUN_NAME, "train")
+        tracker_for(cfg, train_run, run.client).set_tags(
+            {MODEL_VERSION_TAG: result.version, MLFLOW_RUN_NAME: with_version(name, cfg, version)})
+
+
+MODEL_VERSION_TAG = "forgeline.model_version"
+
+
+def with_version(name: str, cfg: Config, version: str) -> str:
+    """`pipeline tiny dp1 @1a2b3c4` as `pipeline tiny v3 dp1 @1a2b3c4`: the version after the
+    config's label (tracking.run_name), once."""
+    words = name.split(" ")
+    if version in words:
+        return name
+    at = words.index(config_label(cfg)) + 1 if config_label(cfg) in words else len(words)
+    return " ".join([*words[:at], version, *words[at:]])
 
 
 def register_model(cfg: Config, run: RunTracker, checkpoint: str, tokenizer_dir: str,

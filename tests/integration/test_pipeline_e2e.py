@@ -73,7 +73,11 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
                for name, c in by_name.items())
     assert [m.step for m in client.get_metric_history(by_name["train"].info.run_id, "loss")] == \
         list(range(1, 21))
-    eval_metrics = by_name["eval"].data.metrics
+    # One name per score: the stage run's and the parent's are the same column of the runs table.
+    assert by_name["train"].data.metrics["train/final_loss"] == parent.data.metrics["train/final_loss"]
+    eval_metrics = {k.removeprefix("eval/"): v for k, v in by_name["eval"].data.metrics.items()
+                    if not k.startswith("system/")}
+    assert {f"eval/{k}": v for k, v in eval_metrics.items()}.items() <= parent.data.metrics.items()
     assert 0 <= eval_metrics["forgeline_arc_easy/acc"] <= 1
     assert eval_metrics["forgeline_heldout/bits_per_byte"] > 0
     assert any(k.startswith("system/cpu_utilization_percentage") for k in by_name["train"].data.metrics)
@@ -81,6 +85,18 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
                   "instruction_following"}
     assert {k.split("/")[1] for k in eval_metrics if k.startswith("dimension/")} == dimensions
     assert "overall" in eval_metrics and "eval/overall" in parent.data.metrics
+    # What the eval run scored, and the runs named by it: `eval debug step-20 v1`.
+    scored = by_name["eval"]
+    assert scored.data.params["checkpoint_step"] == "20" and scored.data.params["checkpoint"].endswith(
+        "step-00000020")
+    assert scored.data.params["train_run_id"] == by_name["train"].info.run_id
+    assert scored.data.tags["forgeline.model_version"] == "1"
+    assert scored.info.run_name == "eval debug step-20 v1"
+    assert re.fullmatch(r"pipeline debug v1 dp1 @[0-9a-f]{7}(-dirty)?", parent.info.run_name), \
+        parent.info.run_name
+    # The closing summary links the run in the UI's training view.
+    assert (f"MLflow UI: http://127.0.0.1:5000/#/experiments/{parent.info.experiment_id}/runs/{run_id}"
+            "?workflowType=machine_learning") in done.stdout
     assert re.search(r"Eval \(chance-normalized, 0 = chance, 1 = best; ± 95 % interval\): overall "
                      r"-?[0-9.]+ ± [0-9.]+", done.stdout)
     assert eval_metrics["stderr/overall"] > 0 and "stderr/dimension/reasoning" in eval_metrics
@@ -98,6 +114,8 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     assert float(version.tags["eval.overall"]) == pytest.approx(eval_metrics["overall"], abs=1e-5)
     assert str(client.get_model_version_by_alias("forgeline-debug", "candidate").version) == "1"
     assert str(client.get_model_version_by_alias("forgeline-debug", "champion").version) == "1"
+    assert version.description == "promoted to champion: the first version, no champion to compare with"
+    assert version.tags["forgeline.eval_run_id"] == scored.info.run_id
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     generator = mlflow.pyfunc.load_model("models:/forgeline-debug/1")
     [text] = generator.predict(pd.DataFrame({"prompt": ["ROMEO:"]}), params={"max_new_tokens": 8})

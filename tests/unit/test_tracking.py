@@ -54,13 +54,15 @@ def test_layout_and_dvc_lock_hashes_become_tags(tmp_path: Path, monkeypatch: pyt
     assert run_context_tags(cfg)["dvc.lock.data.artifacts/data"] == "0123456789abcdef0123456789abcdef.dir"
 
 
-def test_a_run_name_says_what_ran_for_which_model_on_which_layout_at_which_commit() -> None:
+def test_a_run_name_says_what_ran_for_which_config_on_which_layout_at_which_commit() -> None:
     cfg = load_config("tiny.yaml")
-    assert run_name("train", cfg, with_layout=True, code=CLEAN) == "train forgeline-tiny pp2xdp2 @1a2b3c4"
+    assert run_name("train", cfg, with_layout=True, code=CLEAN) == "train tiny pp2xdp2 @1a2b3c4"
     assert run_name("eval", cfg, with_layout=False, code=CLEAN | {"git.dirty": "true"}) == \
-        "eval forgeline-tiny @1a2b3c4-dirty"
+        "eval tiny @1a2b3c4-dirty"
     outside_git = {"git.commit": "unknown", "git.dirty": "unknown"}
-    assert run_name("pipeline", cfg, with_layout=True, code=outside_git) == "pipeline forgeline-tiny pp2xdp2"
+    assert run_name("pipeline", cfg, with_layout=True, code=outside_git) == "pipeline tiny pp2xdp2"
+    mine = cfg.with_values({"registry.model_name": "mine"})  # a model name without forgeline-: whole
+    assert run_name("pipeline", mine, with_layout=False, code=outside_git) == "pipeline mine"
 
 
 @pytest.mark.parametrize(("overrides", "label"), [

@@ -1,0 +1,82 @@
+"""What a pipeline run's MLflow runs say of themselves, read back through MLflow's API from a real
+sqlite store: one name per score on the stage run and the parent, an eval run that names the
+checkpoint, step, train run and model version it scored, run names that tell runs apart, and the
+run's link in the UI's training view."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from forgeline.model.checkpoint.manager import MANIFEST_NAME
+from forgeline.tasks.evaluate import (
+    CHART_NAME,
+    ITEMS_NAME,
+    REPORT_NAME,
+    RESULTS_NAME,
+    TRAIN_RUN_TAG,
+    EvalResult,
+    record_eval,
+)
+from forgeline.tasks.register import RegisterResult, record_registration
+from forgeline.tasks.runner import STAGE_TAG
+from forgeline.tasks.tracking import resolve_tracking_uri, run_link, run_name, tracked_run
+from tests.conftest import debug_config
+
+CODE = {"git.commit": "1a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d", "git.dirty": "false"}
+
+
+def test_an_eval_run_names_what_it_scored_and_every_score_has_one_name(tmp_path: Path) -> None:
+    cfg = debug_config(tmp_path)
+    client = MlflowClient(resolve_tracking_uri(cfg))
+    checkpoint = tmp_path / "train" / "checkpoints" / "step-00000300"
+    checkpoint.mkdir(parents=True)
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    for name in (REPORT_NAME, RESULTS_NAME, ITEMS_NAME, CHART_NAME):
+        (eval_dir / name).write_text("{}")
+    metrics = {"overall": 0.25, "dimension/reasoning": 0.3, "stderr/overall": 0.01}
+    result = EvalResult(out_dir=str(eval_dir), checkpoint=str(checkpoint), overall=0.25,
+                        dimensions={"reasoning": 0.3}, metrics=metrics)
+
+    with tracked_run(cfg, run_name("pipeline", cfg, True, CODE)) as parent:
+        with tracked_run(cfg, run_name("train", cfg, True, CODE), parent.run_id,
+                         {STAGE_TAG: "train"}) as train:
+            parent.set_tags({TRAIN_RUN_TAG: train.run_id})
+        (checkpoint / MANIFEST_NAME).write_text(json.dumps({"step": 300, "mlflow_run_id": train.run_id}))
+        with tracked_run(cfg, run_name("eval", cfg, False, CODE), parent.run_id, {STAGE_TAG: "eval"}) as run:
+            record_eval(cfg, run, parent, result)
+        scored = client.get_run(run.run_id)
+        assert scored.info.run_name == "eval debug step-300"
+        with tracked_run(cfg, run_name("register", cfg, False, CODE), parent.run_id,
+                         {STAGE_TAG: "register"}) as register:
+            registered = RegisterResult(register.run_id, "forgeline-debug", "3", "models:/forgeline-debug/3")
+            record_registration(cfg, register, parent, registered)
+
+    scored, pipeline = client.get_run(run.run_id), client.get_run(parent.run_id)
+    assert scored.data.params == {"checkpoint": str(checkpoint.resolve()), "checkpoint_step": "300",
+                                  "train_run_id": train.run_id}
+    tags = scored.data.tags
+    assert tags["forgeline.checkpoint"] == str(checkpoint.resolve())
+    assert tags["forgeline.checkpoint_step"] == "300"
+    assert (tags[TRAIN_RUN_TAG], tags["forgeline.model_version"]) == (train.run_id, "3")
+    # One name per score: the eval run's column and the parent's are the same column.
+    def scores(run) -> dict[str, float]:  # without the system metrics sampled every 5 s
+        return {k: v for k, v in run.data.metrics.items() if not k.startswith("system/")}
+
+    assert scores(scored) == scores(pipeline) == {"eval/overall": 0.25, "eval/dimension/reasoning": 0.3,
+                                                  "eval/stderr/overall": 0.01}
+    # Names that tell one pipeline run's runs from another's, their telling words first.
+    assert scored.info.run_name == "eval debug step-300 v3"
+    assert pipeline.info.run_name == "pipeline debug v3 dp1 @1a2b3c4"
+    assert client.get_run(train.run_id).info.run_name == "train debug v3 dp1 @1a2b3c4"
+    assert client.get_run(register.run_id).info.run_name == "register debug v3 @1a2b3c4"
+
+    link = run_link(cfg, parent.run_id)
+    experiment = pipeline.info.experiment_id
+    assert re.fullmatch(rf"http://127\.0\.0\.1:5000/#/experiments/{experiment}/runs/{parent.run_id}"
+                        r"\?workflowType=machine_learning \(after `mlflow ui --backend-store-uri sqlite:///.*`\)",
+                        link), link
