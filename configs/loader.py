@@ -47,7 +47,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             apply_override(raw, override)
         leave_the_shape_to_the_base(raw, config_path, overrides)
         try:
-            return Config.model_validate(raw)
+            return Config.model_validate(raw, context={"config_name": config_path.stem})
         except ValidationError as err:
             raise ConfigError(format_validation_error(err, config_path)) from None
     except ConfigError as err:

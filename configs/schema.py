@@ -324,13 +324,17 @@ class DataConfig(Section):
     Duplicates and conversations with no assistant turn (one speaker's messages: nothing to
     learn) are reported but not counted."""
 
-    out_dir: str = "artifacts/data"
-    """Where the tokenizer, shards and manifest.json are written."""
+    out_dir: str | None = None
+    """Where the tokenizer, shards and manifest.json are written. None: `artifacts/data-<hash>`,
+    named by what the data is built from (this section but for where and how it runs, and
+    model.init_from, whose tokenizer a base's data uses): configs that build the same data share
+    it, and a change of anything else (train.steps, say) rebuilds nothing."""
 
-    raw_dir: str = "artifacts/raw"
+    raw_dir: str | None = None
     """Where the stage keeps a snapshot of its raw inputs as read -- one `<source>.jsonl.gz` per
     source and `sources.json` with each one's provenance and sha256 -- which it builds from and
-    DVC tracks (rewritten only when the inputs changed)."""
+    DVC tracks (rewritten only when the inputs changed). None: `artifacts/raw-<hash of
+    data.sources>`."""
 
     tokenizer_path: str | None = None
     """An existing tokenizer to use instead of training one: a `tokenizer.json` file or a
@@ -772,8 +776,11 @@ class CallbackSpec(Section):
 class TrainConfig(Section):
     """Train stage: AdamW with linear warmup and cosine decay, launched with torchrun."""
 
-    out_dir: str = "artifacts/train"
-    """Where checkpoints/, the resolved config and train.json (the summary) are written."""
+    out_dir: str | None = None
+    """Where checkpoints/, the resolved config and train.json (the summary) are written. None:
+    `artifacts/<run.name>/train`. It holds one configuration's checkpoints: a run whose
+    checkpoints would differ (another run fingerprint, `run.json` there) is refused before any
+    work starts, and nothing in it is touched."""
 
     steps: PositiveInt = 300
     """Optimizer steps to train for."""
@@ -955,9 +962,9 @@ class EvalConfig(Section):
     """Eval stage: lm-evaluation-harness with the registered `forgeline` model class, offline, on
     the task suite of eval/tasks/, scored per capability dimension."""
 
-    out_dir: str = "artifacts/eval"
+    out_dir: str | None = None
     """Where report.json, metrics.json (a DVC metrics file), lm_eval_results.json and
-    dimensions.png are written."""
+    dimensions.png are written. None: `artifacts/<run.name>/eval`."""
 
     dimensions: dict[Dimension, DimensionConfig] = Field(
         default_factory=lambda: {name: DimensionConfig() for name in DIMENSIONS}, min_length=1)
@@ -992,8 +999,9 @@ class RegistryConfig(Section):
     model_name: str = "forgeline-tiny"
     """Registered model that each run adds a version to."""
 
-    out_dir: str = "artifacts/register"
-    """Where registered.json (run id, model name and version) is written."""
+    out_dir: str | None = None
+    """Where registered.json (run id, model name and version) is written. None:
+    `artifacts/<run.name>/register`."""
 
     promotion_margin: float = 0.0
     """Promotion gate (tasks/promote.py): alias `champion` moves to a new version only if the
@@ -1117,6 +1125,34 @@ class OpsConfig(Section):
     reach the tracking store before it leaves them to `forgeline sync`."""
 
 
+ARTIFACTS_DIR = "artifacts"  # where the outputs of a config that names no directory go
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class RunConfig(Section):
+    """The run: the name of the directory, `artifacts/<name>/`, that holds its train, eval and
+    register outputs (each stage's `out_dir` unless set), so that two runs never share a
+    checkpoint directory."""
+
+    name: str | None = None
+    """The run's name. None: filled in when the config is loaded, as `<config file
+    stem>-<run fingerprint>` (`tiny-1a2b3c4d`), the fingerprint being the first 8 hex of the
+    sha256 of what its checkpoints are computed from -- the model, the training recipe, `sft` and
+    the data section, less where and how they run: `--set train.steps=30` is another run in
+    another directory, `--set eval...`, `--set parallel...` or `--set registry...` the same run.
+    Set it to keep one directory across changes -- a run whose checkpoints would differ from
+    those there is then refused, naming another name or `forgeline clean` -- or to run the same
+    config twice apart. Letters, digits, `.`, `_`, `-`."""
+
+    @field_validator("name")
+    @classmethod
+    def _names_a_directory(cls, name: str | None) -> str | None:
+        if name is not None and not RUN_NAME.fullmatch(name):
+            raise ValueError(f"run.name {name!r} names a directory under {ARTIFACTS_DIR}/: use letters, "
+                             "digits, '.', '_' and '-', starting with a letter or a digit")
+        return name
+
+
 class Config(Section):
     """A whole forgeline run."""
 
@@ -1131,6 +1167,36 @@ class Config(Section):
     sft: SFTConfig | None = None
     """Supervised fine-tuning: set, the pipeline is data -> sft -> eval -> register."""
     ops: OpsConfig = Field(default_factory=OpsConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _outputs_placed(self, info: ValidationInfo) -> Config:
+        """Fill in run.name and the output directories left unset (RunConfig, DataConfig): the
+        loader passes the config file's stem as the context's `config_name`."""
+        if self.run.name is None:
+            stem = (info.context or {}).get("config_name", "run")
+            _fill(self.run, "name", f"{stem}-{run_fingerprint(self.model_dump(mode='json'))[:8]}")
+        if self.data.out_dir is None:
+            _fill(self.data, "out_dir", f"{ARTIFACTS_DIR}/data-{self.data_fingerprint()[:8]}")
+        if self.data.raw_dir is None:
+            sources = json.dumps(self.model_dump(mode="json", include={"data": {"sources"}}), sort_keys=True)
+            _fill(self.data, "raw_dir", f"{ARTIFACTS_DIR}/raw-{hashlib.sha256(sources.encode()).hexdigest()[:8]}")
+        for section, name in ((self.train, "train"), (self.eval, "eval"), (self.registry, "register")):
+            if section.out_dir is None:
+                _fill(section, "out_dir", f"{ARTIFACTS_DIR}/{self.run.name}/{name}")
+        self.__pydantic_fields_set__.update({"run", "data", "train", "eval", "registry"})
+        return self
+
+    def data_fingerprint(self) -> str:
+        """What the data stage builds from: the data section less its placement, and
+        model.init_from (a base's data is tokenized with its tokenizer)."""
+        payload = {"data": self.content_hash("data"), "init_from": self.model.init_from}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    @property
+    def run_dir(self) -> str:
+        """`artifacts/<run.name>`: where the run's outputs go unless their out_dir is set."""
+        return f"{ARTIFACTS_DIR}/{self.run.name}"
 
     @model_validator(mode="after")
     def _sections_agree(self) -> Config:
@@ -1264,6 +1330,24 @@ OPERATIONAL_TRAIN_FIELDS = frozenset({"out_dir", "log_every", "max_restarts", "j
 
 LATER_KEYS = {"model": {"init_from": None, "tie_embeddings": False, "rope_layout": "interleaved"},
               "train": {"document_masking": False}}
+
+
+def _fill(section: Section, field: str, value: str) -> None:
+    """Set a field of a frozen section once, while its config is validated, as if given: a
+    revalidated dump (`with_values`) keeps it."""
+    object.__setattr__(section, field, value)
+    section.__pydantic_fields_set__.add(field)
+
+
+def run_fingerprint(dump: dict[str, Any]) -> str:
+    """sha256 of what a run's checkpoints are computed from, given a config dumped as JSON: the
+    model, the training recipe less its operational fields, `sft` and the data section less its
+    placement -- not the layout (checkpoints reshard), the checkpointing cadence, eval, registry,
+    ops. It names the run (run.name) and is recorded in its train directory (`run.json`)."""
+    train = {key: value for key, value in dump["train"].items() if key not in OPERATIONAL_TRAIN_FIELDS}
+    data = {key: value for key, value in dump["data"].items() if key not in PLACEMENT_FIELDS}
+    payload = {"model": dump["model"], "train": train, "data": data, "sft": dump.get("sft")}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def resume_fingerprint(cfg: Config, data_manifest_sha256: str, base_sha256: str | None = None) -> str:

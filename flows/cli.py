@@ -495,6 +495,9 @@ def run_pipeline(args: argparse.Namespace) -> int:
 def rerun_stage(args: argparse.Namespace) -> int:
     stage = stage_named(args.name)
     cfg = load_config(args.config, args.overrides)  # read once: the flow takes it as it is
+    from forgeline.tasks.dvc_yaml import check_dvc_outputs
+
+    check_dvc_outputs(cfg, str(args.config))  # under `dvc repro`: dvc.yaml names these directories
     if args.snapshot_only:
         return take_snapshot_only(stage, cfg)
     if args.base_only:

@@ -4,9 +4,12 @@ checkpoint it committed.
 Output (`train.out_dir`, laid out by model/training/outputs.py): `checkpoints/step-NNNNNNNN/`
 (sharded DCP checkpoints), `config.yaml` (the config the ranks ran with), `train.json`
 (summary, with the last and the best validation) and the loss curve (`loss.csv`, `loss.png`).
+`run.json` names the run whose checkpoints these are (run.name and its run fingerprint).
 A rerun with the same model, training recipe and data resumes from the latest valid
-checkpoint (a finished run resumes at its last step and returns at once); checkpoints of any
-other configuration are discarded first, as `dvc repro` would.
+checkpoint (a finished run resumes at its last step and returns at once). Nothing here deletes
+committed checkpoints: a directory that holds another configuration's is refused before any
+work starts (`check_run_directory`), and those of this configuration that were trained on other
+data or another base's weights are set aside, intact, into `superseded-<time>/`.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
 
 from forgeline.configs import Config
-from forgeline.configs.schema import resume_fingerprint
+from forgeline.configs.schema import resume_fingerprint, run_fingerprint
 from forgeline.model.checkpoint.manager import committed_checkpoints, latest_valid_checkpoint
 from forgeline.model.fileio import sha256_file
 from forgeline.model.parallel.mesh import local_device_type, resolve_precision
@@ -110,9 +114,49 @@ def preflight_precision(cfg: Config) -> None:
     resolve_precision(cfg.train.precision, local_device_type())
 
 
+RUN_RECORD = "run.json"  # in train.out_dir: the run whose checkpoints are there
+SUPERSEDED_PREFIX = "superseded-"  # under checkpoints/: this run's, trained on other data or another base
+
+
+class RunDirectoryTaken(ValueError):
+    """train.out_dir holds the checkpoints of another configuration; nothing in it was touched."""
+
+
+def run_record(cfg: Config) -> dict[str, str]:
+    """What `run.json` records: the run's name and the fingerprint of what its checkpoints are
+    computed from (configs/schema.py run_fingerprint), of the config as loaded."""
+    return {"run": cfg.run.name, "fingerprint": run_fingerprint(cfg.model_dump(mode="json"))}
+
+
+def check_run_directory(cfg: Config) -> None:
+    """Fail, touching nothing, if train.out_dir holds committed checkpoints of another
+    configuration: another run fingerprint in its `run.json`, or none recorded (an earlier
+    forgeline's run, or a copy)."""
+    outputs = TrainOutputs(Path(cfg.train.out_dir))
+    if not committed_checkpoints(outputs.checkpoints):
+        return
+    ours = run_record(cfg)
+    try:
+        theirs = json.loads((outputs.root / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        theirs = None
+    if isinstance(theirs, dict) and theirs.get("fingerprint") == ours["fingerprint"]:
+        return
+    owner = (f"run {theirs.get('run')!r}, fingerprint {str(theirs.get('fingerprint'))[:8]}"
+             if isinstance(theirs, dict) else f"a run that recorded no {RUN_RECORD}")
+    raise RunDirectoryTaken(
+        f"{outputs.root} holds the checkpoints of another configuration ({owner}; this one is run "
+        f"{ours['run']!r}, fingerprint {ours['fingerprint'][:8]}); nothing in it was touched. Train "
+        f"into a directory of its own -- another run.name (`--set run.name=NEW`, with train.out_dir "
+        f"unset) or another train.out_dir -- or, if those checkpoints can go, `forgeline clean "
+        f"{outputs.root}` and run again")
+
+
 def preflight_train(cfg: Config) -> None:
-    """Before any stage runs: the precision, and the base (`model.init_from`) -- readable, of an
+    """Before any stage runs: train.out_dir holds no other configuration's checkpoints, the
+    precision suits this machine, and the base (`model.init_from`) is readable, of an
     architecture forgeline represents, its shape agreeing with the config and fitting the layout."""
+    check_run_directory(cfg)
     preflight_precision(cfg)
     if cfg.model.init_from:
         with_base(cfg, resolve_base(cfg))
@@ -182,6 +226,8 @@ def checkpoint_uri(cfg: Config, checkpoint: str) -> str:
 
 def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
     """Run the train stage; step metrics go to `mlflow_run_id` when given."""
+    check_run_directory(cfg)  # the stage alone, too (its preflight runs before the pipeline)
+    record = run_record(cfg)  # of the config as loaded, before a base fills in its shape
     data_dir = Path(cfg.data.out_dir)
     manifest = read_manifest(data_dir)  # fail before launching anything if the data stage has not run
     base = None
@@ -195,8 +241,10 @@ def train_model(cfg: Config, mlflow_run_id: str | None = None) -> TrainResult:
         num_validation_batches(manifest, cfg.train.global_batch_size, cfg.train.val_batches)
     outputs = TrainOutputs(Path(cfg.train.out_dir))
     fingerprint = resume_fingerprint(cfg, sha256_file(data_dir / MANIFEST_NAME), base and base.sha256)
-    discard_foreign_checkpoints(outputs.checkpoints, fingerprint)
+    set_aside_superseded(outputs.checkpoints, fingerprint)
 
+    outputs.root.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(outputs.root / RUN_RECORD, json.dumps(record, indent=2) + "\n")
     write_text_atomic(outputs.config, rank_config_yaml(cfg))
     failures: list[str] = []
     rank_exceptions: list[str] = []
@@ -296,7 +344,7 @@ def rank_config_yaml(cfg: Config) -> str:
     whole config), so that a rerun of a stage after this one does not change this stage's output.
     Python mode, not JSON: YAML keeps what JSON cannot (a NaN in a callback argument, say)."""
     sft = {"sft"} if cfg.sft is not None else set()  # a pretraining run's config stays as it was
-    read = cfg.model_dump(include={"data", "model", "parallel", "train", "checkpoint", *sft})
+    read = cfg.model_dump(include={"run", "data", "model", "parallel", "train", "checkpoint", *sft})
     read["eval"] = cfg.eval.model_dump(include={"during_training", "batch_size"})
     return yaml.safe_dump(read, sort_keys=False)
 
@@ -314,16 +362,21 @@ def read_train_summary(cfg: Config) -> TrainResult:
                    checkpoint=str(outputs.checkpoints / Path(summary.checkpoint).name))
 
 
-def discard_foreign_checkpoints(root: Path, fingerprint: str) -> None:
-    """Remove committed checkpoints written for another configuration (they cannot be
-    resumed into this one) and partial saves a crash left behind. Rolled-back ones stay."""
-    for info in committed_checkpoints(root):
-        if info.manifest["fingerprint"] != fingerprint:
-            log.warning("removing %s: written for another model/training/data configuration",
-                        info.path)
-            shutil.rmtree(info.path)
+def set_aside_superseded(root: Path, fingerprint: str) -> Path | None:
+    """Move the committed checkpoints that cannot be resumed into this run -- this configuration's
+    (check_run_directory), trained on data or base weights that have changed since -- intact into
+    `superseded-<time>/` (returned; None if there were none), and remove partial saves a crash left
+    behind. Rolled-back ones stay where they are."""
+    stale = [info.path for info in committed_checkpoints(root) if info.manifest["fingerprint"] != fingerprint]
+    archive = root / f"{SUPERSEDED_PREFIX}{time.strftime('%Y%m%dT%H%M%S')}" if stale else None
+    for path in stale:
+        archive.mkdir(exist_ok=True)
+        log.warning("setting %s aside into %s: trained on other data or another base's weights than "
+                    "this run's, it cannot be resumed; `forgeline clean %s` removes them", path, archive, archive)
+        path.rename(archive / path.name)
     for partial in root.glob(".step-*.partial") if root.is_dir() else ():
         shutil.rmtree(partial)
+    return archive
 
 
 def torchrun_command(cfg: Config, config_path: Path, mlflow_run_id: str | None,

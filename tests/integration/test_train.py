@@ -17,8 +17,8 @@ from forgeline.model.checkpoint.manager import committed_checkpoints
 from forgeline.model.inference import load_from_checkpoint
 from forgeline.tasks.runner import run_stage
 from forgeline.tasks.stage import stage_named
-from forgeline.tasks.tracking import resolve_tracking_uri
-from forgeline.tasks.train.job import train_model
+from forgeline.tasks.tracking import dvc_hash, resolve_tracking_uri
+from forgeline.tasks.train.job import RunDirectoryTaken, train_model
 from tests.conftest import debug_config
 from tests.processes import descendants
 
@@ -45,18 +45,20 @@ def test_train_stage_commits_checkpoints_and_logs_every_step(data_root: Path, tm
         assert len(client.get_metric_history(run.info.run_id, key)) == 20
 
 
-def test_rerun_resumes_and_a_new_recipe_starts_fresh(data_root: Path, tmp_path: Path,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_rerun_resumes_and_another_recipe_is_refused_the_directory_untouched(
+        data_root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A rerun resumes; another recipe in the same directory (train.out_dir given, as run.name would
+    give it) is refused before its ranks start, and every file of the first run stays as it was."""
     caplog.set_level(logging.INFO)
     first = train_model(config(data_root, tmp_path))
     again = train_model(config(data_root, tmp_path))
     assert "resumed from" in caplog.text and "step 20" in caplog.text
     assert again == first  # nothing left to train: the same committed checkpoint
-    caplog.clear()
-    changed = train_model(config(data_root, tmp_path, "train.lr=1e-3"))
-    assert "written for another model/training/data configuration" in caplog.text
-    assert "resumed from" not in caplog.text
-    assert changed.loss != first.loss
+    before = dvc_hash(tmp_path / "train")
+    with pytest.raises(RunDirectoryTaken, match="holds the checkpoints of another configuration"):
+        train_model(config(data_root, tmp_path, "train.lr=1e-3"))
+    assert dvc_hash(tmp_path / "train") == before
+    assert [c.step for c in committed_checkpoints(tmp_path / "train" / "checkpoints")] == [20, 10]
 
 
 def test_killed_rank_is_restarted_and_resumes_from_the_latest_checkpoint(

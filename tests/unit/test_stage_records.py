@@ -174,7 +174,9 @@ def test_a_fine_tuning_configs_dvc_yaml_has_sft_in_place_of_train(capsys: pytest
     assert list(stages) == ["base", "sources", "data", "sft", "eval", "register"]
     assert stages["base"]["cmd"] == "forgeline stage sft --config configs/smollm2-sft.yaml --base-only"
     assert "sft" in stages["sft"]["params"][0]["configs/smollm2-sft.yaml"]
-    assert "${train.out_dir}" in stages["eval"]["deps"]
+    run_dir = f"artifacts/{load_config('smollm2-sft.yaml').run.name}"
+    assert f"{run_dir}/train" in stages["eval"]["deps"]  # the run's directory, train's and sft's alike
+    assert stages["sft"]["outs"] == [{f"{run_dir}/train": {"persist": True}}]
 
 
 def stamp_as_a_run_would(stage: Stage, cfg: Config) -> Path:
