@@ -276,7 +276,7 @@ def test_a_continued_run_is_evaluated_beside_its_base_and_its_version_serves(
     client = MlflowClient(resolve_tracking_uri(cfg))
     [run] = client.search_runs([client.get_experiment_by_name("forgeline-debug").experiment_id],
                                filter_string=f"tags.`{STAGE_TAG}` = 'eval'")
-    assert run.data.metrics["base/overall"] == pytest.approx(result.base_overall)
+    assert run.data.metrics["eval/base/overall"] == pytest.approx(result.base_overall)
     [cached] = (root / "cache" / "evals").glob("*.json")
 
     loads = []

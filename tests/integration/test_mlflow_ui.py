@@ -96,10 +96,20 @@ def test_two_pipeline_runs_open_in_the_compare_view(tmp_path: Path, mlflow_serve
     client = MlflowClient(mlflow_server)
     runs = [client.get_run(run_id) for run_id in run_ids]
     names = [r.info.run_name for r in runs]
-    assert all(re.fullmatch(r"pipeline forgeline-debug dp1 @[0-9a-f]{7}(-dirty)?", n) for n in names), names
+    # Named by the version each registered: the two rows differ where the table shows them.
+    assert [re.sub(r" @[0-9a-f]{7}(-dirty)?$", "", n) for n in names] == \
+        ["pipeline debug v1 dp1", "pipeline debug v2 dp1"], names
     experiment = runs[0].info.experiment_id
     assert client.get_experiment(experiment).tags[EXPERIMENT_KIND_TAG] == TRAINING_KIND
     assert runs[0].data.metrics["eval/overall"] != runs[1].data.metrics["eval/overall"]
+
+    # The link `forgeline run` ends with: the run's page, in the training view.
+    link = re.search(r"MLflow UI: (\S+)", first.stdout).group(1)
+    assert link == f"{mlflow_server}/#/experiments/{experiment}/runs/{run_ids[0]}" \
+                   "?workflowType=machine_learning"
+    browser.get(link)
+    wait_for_text(browser, names[0], "train.steps")
+    assert "workflowType=machine_learning" in browser.current_url, browser.current_url
 
     # The link the README gives: the experiment on its runs, not on the GenAI overview.
     browser.get(f"{mlflow_server}/#/experiments/{experiment}?workflowType=machine_learning")

@@ -91,8 +91,8 @@ def test_forgeline_run_fine_tunes_a_base_on_conversations_and_registers_the_assi
     assert len(losses) == 6 and all(loss > 0 for loss in losses)
     assert sft.data.metrics["val/bpb"] > 0
     eval_metrics = by_name["eval"].data.metrics
-    assert "dimension/instruction_following" in eval_metrics
-    assert "base/dimension/instruction_following" in eval_metrics  # scored beside its base
+    assert "eval/dimension/instruction_following" in eval_metrics
+    assert "eval/base/dimension/instruction_following" in eval_metrics  # scored beside its base
 
     # Registered: the merged model, and the adapter as peft reads it.
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
