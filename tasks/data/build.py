@@ -23,10 +23,11 @@ snapshot's files and the stage's code, and the sha256 of every file written).
 
 With `sft` set the documents are conversations (chat.py): cleaned and deduplicated as such,
 rendered through the chat template of the run's tokenizer (`data.chat_template`, else its own)
-into token ids and loss masks, packed whole, several to a row, in training order (one longer
-than a row is cut to it), the row padded with EOS; the shards carry the masks, the manifest
-says so (`loss_masks`) and names the template by its sha256, and the tokenizer is saved with
-the template.
+into token ids and loss masks (of the assistant turns `sft.train_on` names), packed whole,
+several to a row, in training order (one longer than a row is split at turn boundaries into
+pieces that fit, each with the system turn), the row padded with EOS; the shards carry the
+masks, the manifest says so (`loss_masks`, `train_on`) and names the template by its sha256,
+and the tokenizer is saved with the template.
 
 The output is built in a temporary directory and swapped in whole, so a failed run never leaves a
 half-written shard under its final name. The same inputs, config and code give byte-identical
@@ -171,7 +172,7 @@ def build_from_snapshot(cfg: Config) -> DataResult:
         if cfg.sft:
             chat_template = chat_template_of(cfg)
             hf_tokenizer = save_chat_tokenizer(source, chat_template, tmp / "tokenizer")
-            chat = w.ChatWork(str(tmp / "tokenizer"), dcfg.seq_len + 1)
+            chat = w.ChatWork(str(tmp / "tokenizer"), dcfg.seq_len + 1, cfg.sft.train_on)
         else:
             hf_tokenizer = save_tokenizer(tokenizer, dcfg.special_tokens, tmp / "tokenizer")
         tokenizer_json = str(Path(plan.work_dir) / "tokenizer.json")
@@ -221,7 +222,8 @@ def build_from_snapshot(cfg: Config) -> DataResult:
             "sources": stats,
             "splits": splits,
             "heldout_docs": "val_docs.jsonl",
-            **({LOSS_MASKS: True, "chat_template_sha256": template_sha256(chat_template)} if chat else {}),
+            **({LOSS_MASKS: True, "chat_template_sha256": template_sha256(chat_template),
+                "train_on": cfg.sft.train_on} if chat else {}),
         }
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         # Beside the manifest, not in it: a change to this stage's code that leaves the data as
@@ -350,8 +352,9 @@ def training_texts(plan: w.Plan, partitions: int) -> Iterator[tuple[str, str]]:
 def count_tokens(plan: w.Plan, counts: list[dict[int, list]], split: str, stats: dict[str, dict],
                  examples: dict[str, list[str]]) -> int:
     """Adds each source's documents and tokens of the split's pieces (and for conversations, those
-    truncated, their loss tokens and those the template rejected, with examples) to `stats`;
-    returns the split's tokens."""
+    split at turn boundaries, their loss tokens, the exchanges left out and the conversations
+    dropped -- the template rejects them, or none of their exchanges fits in a row --, with
+    examples) to `stats`; returns the split's tokens."""
     tokens = 0
     for piece in counts:
         for source, (documents, source_tokens, *conversations) in piece.items():
@@ -360,14 +363,15 @@ def count_tokens(plan: w.Plan, counts: list[dict[int, list]], split: str, stats:
             entry[f"{split}_documents"] += documents
             entry[f"{split}_tokens"] += source_tokens
             if conversations:
-                truncated, loss, rejected, named = conversations
-                entry[f"{split}_truncated"] += truncated
+                several, loss, dropped, dropped_turns, named = conversations
+                entry[f"{split}_split"] += several
                 entry[f"{split}_loss_tokens"] += loss
-                if rejected:
-                    entry["kept"] -= rejected
-                    removed = entry["removed"]
-                    removed["template_rejects"] = removed.get("template_rejects", 0) + rejected
-                    examples[label] = (examples[label] + named)[:w.EXAMPLES]
+                entry[f"{split}_dropped_turns"] += dropped_turns
+                removed = entry["removed"]
+                for reason, count in dropped.items():
+                    entry["kept"] -= count
+                    removed[reason] = removed.get(reason, 0) + count
+                examples[label] = (examples[label] + named)[:w.EXAMPLES]
             tokens += source_tokens
     return tokens
 
@@ -379,14 +383,17 @@ def check_dropped(stats: dict[str, dict], examples: dict[str, list[str]], max_fr
     for label, entry in stats.items():
         read, removed = entry["input"]["documents"], entry["removed"]
         counted = sum(count for reason, count in removed.items() if reason not in ALLOWED_DROPS)
-        log.info("data: source %s: %d conversations read, %d kept, dropped %s", label, read, entry["kept"],
-                 dict(sorted(removed.items())))
+        split, turns = (sum(entry.get(f"{part}_{key}", 0) for part in ("train", "val"))
+                        for key in ("split", "dropped_turns"))
+        log.info("data: source %s: %d conversations read, %d kept, dropped %s; split at turn boundaries "
+                 "(longer than a row) %d, exchanges left out (alone longer than a row) %d", label, read,
+                 entry["kept"], dict(sorted(removed.items())), split, turns)
         if read and counted / read > max_fraction:
             raise ValueError(
                 f"data source {label} loses {counted} of its {read} conversations ({counted / read:.1%}), "
                 f"more than data.max_dropped_fraction={max_fraction}: dropped "
                 f"{dict(sorted(removed.items()))}; e.g. {examples[label]}. Fix the records (role names: "
-                "the source's `roles`), or raise data.max_dropped_fraction")
+                "the source's `roles`; too_long: raise data.seq_len), or raise data.max_dropped_fraction")
 
 
 # Drops that lose nothing a model could learn from -- a copy of a kept conversation, one with no
@@ -395,12 +402,10 @@ ALLOWED_DROPS = frozenset({"exact_duplicate", "near_duplicate", "no_assistant_tu
 
 
 def loss_tokens(plan: w.Plan, split: str, stats: dict[str, dict]) -> int:
-    """The split's loss tokens; training needs some: a row holds at most seq_len + 1 tokens of a
-    conversation, and a first assistant turn beyond them is cut away."""
+    """The split's loss tokens; training needs some."""
     total = sum(stats[label][f"{split}_loss_tokens"] for label in plan.labels)
     if split == "train" and not total:
-        raise ValueError("no assistant token of the training conversations is left within a row of "
-                         "data.seq_len + 1 tokens: raise data.seq_len")
+        raise ValueError("the training conversations hold no assistant token to train on")
     return total
 
 
@@ -504,6 +509,7 @@ def build_fingerprint(cfg: Config, index: dict) -> str:
         digest.update(f"tokenizer\0{sha256_file(source)}\0".encode())
     if cfg.sft:
         digest.update(f"chat_template\0{template_sha256(chat_template_of(cfg))}\0".encode())
+        digest.update(f"train_on\0{cfg.sft.train_on}\0".encode())
     for entry in index["sources"]:
         digest.update(f"{entry['label']}\0{entry['sha256']}\0".encode())
     return digest.hexdigest()
@@ -530,9 +536,11 @@ def up_to_date_manifest(out_dir: Path, build_key: str) -> dict | None:
 
 def source_entry(source: SourceConfig, conversations: bool = False) -> dict:
     """The manifest's record of one source: provenance, then counts filled in as documents flow;
-    of conversations also those cut to a row and the loss tokens, per split."""
+    of conversations also, per split, those split at turn boundaries, the loss tokens and the
+    exchanges left out (alone longer than a row)."""
     where = {"path": source.path} if source.path else {"dataset": source.dataset} if source.dataset else {}
-    chat = {f"{split}_{key}": 0 for split in ("train", "val") for key in ("truncated", "loss_tokens")}
+    chat = {f"{split}_{key}": 0 for split in ("train", "val")
+            for key in ("split", "loss_tokens", "dropped_turns")}
     return {"kind": source.kind, **where, "license": source.provenance or "unspecified",
             "weight": source.weight, "input": {"documents": 0, "bytes": 0}, "removed": {},
             "repaired_utf8": 0, "boilerplate_lines": 0, "pii_replaced": 0, "kept": 0,

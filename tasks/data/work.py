@@ -20,7 +20,7 @@ worker changes nothing. The phases, in build.py's order:
 3. `tokenize_piece`: a range of mixing keys (sorted: the training order) or a partition's
    validation documents, tokenized, each document followed by EOS -- or, for supervised
    fine-tuning, conversations rendered through the chat template (chat.py) with their loss
-   masks, each cut to one row.
+   masks, one longer than a row split at turn boundaries into pieces that fit (`render_pieces`).
 4. `write_shard_group`: shards cut from the split's token stream -- the pieces in order -- with
    the sequences each source contributes to. Conversations are not cut: they are packed whole,
    several to a row, in stream order (`pack_rows`, decided by build.py over the whole split),
@@ -42,7 +42,7 @@ from tokenizers import Tokenizer
 
 from forgeline.configs.schema import CleaningConfig
 from forgeline.model.training.shards import write_shard
-from forgeline.tasks.data.chat import ChatTemplateError, conversation_of, load_chat_tokenizer, render
+from forgeline.tasks.data.chat import ChatTemplateError, conversation_of, load_chat_tokenizer, render_pieces
 from forgeline.tasks.data.clean import Cleaned, clean_conversation, clean_document, lsh_bands
 from forgeline.tasks.data.snapshot import Member, read_member
 
@@ -52,10 +52,11 @@ KEYED = np.dtype([("bucket", "<u4"), ("key", "V32"), ("doc", "<i8")])
 SUMMARY = np.dtype([("doc", "<i8"), ("source", "<i2"), ("val", "?"), ("repaired", "?"),
                     ("boilerplate_lines", "<i8"), ("pii_replaced", "<i8")])
 PIECE_DOCS = np.dtype([("length", "<i8"), ("source", "<i2")])  # per tokenized document
-# Per rendered conversation of a piece: beside its length and source, what the manifest counts.
+# Per rendered conversation (or piece of one, split at turn boundaries) of a token piece: beside
+# its length and source, what the manifest counts. `first`: its conversation's first piece.
 # Dropped conversations named per source, for the error of a source that loses too many.
 EXAMPLES = 3
-PIECE_CONVERSATIONS = np.dtype([("length", "<i8"), ("source", "<i2"), ("truncated", "?"),
+PIECE_CONVERSATIONS = np.dtype([("length", "<i8"), ("source", "<i2"), ("first", "?"),
                                 ("loss_tokens", "<i8")])
 
 
@@ -111,10 +112,12 @@ class BucketWork:
 @dataclass(frozen=True)
 class ChatWork:
     """How conversations are rendered: the Hugging Face tokenizer directory holding the chat
-    template, and the tokens of a row, which a longer conversation is cut to."""
+    template, the tokens of a row, which a longer conversation is split to fit, and the
+    assistant turns trained (sft.train_on)."""
 
     tokenizer: str
     row_tokens: int
+    train_on: str = "all_assistant"
 
 
 @dataclass(frozen=True)
@@ -386,40 +389,51 @@ def tokenize_piece(work: PieceWork) -> dict[int, list[int]]:
 
 def render_piece(work: PieceWork, texts_sources: list[tuple[str, int]], names: list[str],
                  ) -> dict[int, list]:
-    """The piece's conversations rendered through the chat template, each cut to a row: their
-    token ids and loss masks one after the other, and per conversation its length, source,
-    whether it was cut and its loss tokens; the validation split's conversations also as text
-    (val_docs.jsonl). A conversation the template rejects is dropped, not the stage. Returns per
-    source index [conversations, tokens, truncated, loss tokens, rejected, examples of those]."""
+    """The piece's conversations rendered through the chat template, one longer than a row split at
+    turn boundaries into pieces that fit: their token ids and loss masks one after the other, and
+    per conversation piece its length, source, whether it is its conversation's first and its loss
+    tokens; the validation split's pieces also as text (val_docs.jsonl). A conversation the
+    template rejects is dropped (template_rejects), and one of which no exchange fits in a row
+    (too_long), not the stage. Returns per source index [conversations, tokens, conversations
+    split, loss tokens, dropped conversations by reason, exchanges dropped, examples of drops]."""
     plan, tokenizer = work.plan, load_chat_tokenizer(work.chat.tokenizer)
-    rendered, rejected, examples, kept = [], {}, {}, []
+    rendered, dropped, dropped_turns, several, examples = [], {}, {}, {}, {}
     for (text, source), name in zip(texts_sources, names, strict=True):
         try:
-            rendered.append(render(tokenizer, conversation_of(text), work.chat.row_tokens))
-            kept.append(((text, source), name))
+            split = render_pieces(tokenizer, conversation_of(text), work.chat.row_tokens,
+                                  train_on=work.chat.train_on)
         except ChatTemplateError as err:
-            rejected[source] = rejected.get(source, 0) + 1
-            add_example(examples, source, f"{name}: template_rejects ({err})")
-    texts_sources, names = [pair for pair, _ in kept], [name for _, name in kept]
+            reason, why = "template_rejects", str(err)
+        else:
+            reason, why = (None, "") if split.rendered else ("too_long", "no exchange fits in a row")
+        if reason is not None:
+            counts = dropped.setdefault(source, {})
+            counts[reason] = counts.get(reason, 0) + 1
+            add_example(examples, source, f"{name}: {reason} ({why})")
+            continue
+        dropped_turns[source] = dropped_turns.get(source, 0) + split.dropped_turns
+        several[source] = several.get(source, 0) + (len(split.rendered) > 1)
+        for number, (messages, chat) in enumerate(split.rendered):
+            part = f" (part {number + 1} of {len(split.rendered)})" if len(split.rendered) > 1 else ""
+            rendered.append((source, name + part, messages, chat, number == 0))
     if work.split == "val":
         write_bytes(work.stem.with_suffix(".jsonl"), "".join(
             json.dumps({"source": plan.labels[source], "name": name, "text": chat.text,
-                        "messages": conversation_of(text)}) + "\n"
-            for (text, source), name, chat in zip(texts_sources, names, rendered, strict=True)).encode())
-    docs = np.array([(len(chat.ids), source, chat.truncated, int(chat.mask.sum()))
-                     for chat, (_, source) in zip(rendered, texts_sources, strict=True)],
-                    dtype=PIECE_CONVERSATIONS)
+                        "messages": messages}) + "\n"
+            for source, name, messages, chat, _ in rendered).encode())
+    docs = np.array([(len(chat.ids), source, first, int(chat.mask.sum()))
+                     for source, _, _, chat, first in rendered], dtype=PIECE_CONVERSATIONS)
     write_array(Path(f"{work.stem}.ids.npy"), np.concatenate(
-        [chat.ids for chat in rendered] or [np.zeros(0, np.int64)]).astype(work.dtype))
+        [chat.ids for _, _, _, chat, _ in rendered] or [np.zeros(0, np.int64)]).astype(work.dtype))
     write_array(Path(f"{work.stem}.mask.npy"), np.concatenate(
-        [chat.mask for chat in rendered] or [np.zeros(0, np.uint8)]))
+        [chat.mask for _, _, _, chat, _ in rendered] or [np.zeros(0, np.uint8)]))
     write_array(Path(f"{work.stem}.docs.npy"), docs)
     counts: dict[int, list] = {}
-    for source in {*np.unique(docs["source"]).tolist(), *rejected}:
+    for source in sorted({*np.unique(docs["source"]).tolist(), *dropped}):
         mine = docs[docs["source"] == source]
-        counts[int(source)] = [len(mine), int(mine["length"].sum()), int(mine["truncated"].sum()),
-                               int(mine["loss_tokens"].sum()), rejected.get(source, 0),
-                               examples.get(source, [])]
+        counts[int(source)] = [int(mine["first"].sum()), int(mine["length"].sum()), several.get(source, 0),
+                               int(mine["loss_tokens"].sum()), dropped.get(source, {}),
+                               dropped_turns.get(source, 0), examples.get(source, [])]
     return counts
 
 

@@ -1,7 +1,9 @@
 """The data stage with `sft` set, end to end on small conversation sources (JSONL messages and
 instructions, parquet messages: real chats of the shipped dataset) through SmolLM2's tokenizer:
-conversations cleaned and deduplicated, packed whole several to a row with their starts, shards
-that carry loss masks equal to chat.py's; the loader's loss mask aligned with the tokens; the
+conversations cleaned and deduplicated, packed whole several to a row with their starts (one
+longer than a row split at turn boundaries into pieces, an exchange that cannot fit a row left out
+and counted, a conversation of which none fits dropped as too_long), shards that carry loss masks
+equal to chat.py's; the loader's loss mask aligned with the tokens; the
 config rules that keep conversations and documents apart."""
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from forgeline.model.training.shards import (
     split_shards,
 )
 from forgeline.tasks.data.build import build_dataset, check_dropped
-from forgeline.tasks.data.chat import ChatTemplateError, conversation_of, load_chat_tokenizer, render
+from forgeline.tasks.data.chat import ChatTemplateError, conversation_of, load_chat_tokenizer, render_pieces
 from forgeline.tasks.data.clean import clean_conversation
 from forgeline.tasks.data.sources import SourceError, read_source
 from tests.conftest import debug_config
@@ -57,7 +59,10 @@ def sft_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     unusable = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}],  # empty turn
                 [{"role": "user", "content": "Anyone there?"}],  # no assistant turn
                 [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Hi"}]]  # opens
-    messages = chats[:60] + chats[:3] + unusable  # three exact duplicates
+    long_exchange = [{"role": "user", "content": "Tell me everything."},
+                     {"role": "assistant", "content": "Everything. " * 150},
+                     {"role": "user", "content": "In short?"}, {"role": "assistant", "content": "All of it."}]
+    messages = chats[:60] + chats[:3] + unusable + [long_exchange]  # three exact duplicates
     instructions = [{"instruction": chat[0]["content"], "output": chat[1]["content"],
                      **({"input": "Answer in one line."} if n % 2 else {})}
                     for n, chat in enumerate(chats[60:80])]
@@ -78,16 +83,19 @@ def sft_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return Path(cfg.data.out_dir), written
 
 
-def expected_conversations(written: dict) -> dict[tuple[int, ...], np.ndarray]:
-    """chat.py's (ids, mask) of every conversation the stage keeps, by its ids cut to a row."""
-    tokenizer, cleaning, out = load_chat_tokenizer(str(smollm2_tokenizer_dir())), CleaningConfig(), {}
-    for conversations in written.values():
-        for messages in conversations:
+def expected_conversations(written: dict) -> tuple[dict[tuple[int, ...], np.ndarray], int]:
+    """chat.py's (ids, mask) of every conversation piece the stage keeps, by its ids, and the
+    number of conversations they come from."""
+    tokenizer, cleaning = load_chat_tokenizer(str(smollm2_tokenizer_dir())), CleaningConfig()
+    out, conversations = {}, 0
+    for chats in written.values():
+        for messages in chats:
             cleaned = clean_conversation(json.dumps(messages).encode(), cleaning, with_signature=False)
             if cleaned.removed_by is None:
-                chat = render(tokenizer, conversation_of(cleaned.text), SEQ_LEN + 1)
-                out[tuple(chat.ids.tolist())] = chat.mask
-    return out
+                pieces = render_pieces(tokenizer, conversation_of(cleaned.text), SEQ_LEN + 1).rendered
+                conversations += bool(pieces)
+                out.update((tuple(chat.ids.tolist()), chat.mask) for _, chat in pieces)
+    return out, conversations
 
 
 def samples(data_dir: Path, manifest: dict) -> list[dict[str, np.ndarray]]:
@@ -99,7 +107,7 @@ def test_shards_pack_whole_conversations_with_the_masks_chat_renders(sft_data) -
     data_dir, written = sft_data
     manifest = read_manifest(data_dir)
     assert manifest["loss_masks"] is True and len(manifest["chat_template_sha256"]) == 64
-    expected, found, packed = expected_conversations(written), [], 0
+    (expected, conversations), found, packed = expected_conversations(written), [], 0
     for sample in samples(data_dir, manifest):
         tokens, starts, mask = sample[SAMPLE_FIELD], sample[STARTS_FIELD], sample[MASK_FIELD]
         assert tokens.shape == mask.shape == (SEQ_LEN + 1,) and mask.dtype == np.uint8
@@ -115,9 +123,12 @@ def test_shards_pack_whole_conversations_with_the_masks_chat_renders(sft_data) -
             assert mask[begin:begin + len(ids)].tolist() == want.tolist()
             assert not mask[begin + len(ids):end].any()  # padding
             found.append(tuple(ids.tolist()))
-    assert sorted(found) == sorted(expected)  # every kept conversation once, none cut across rows
-    assert manifest["documents"] == len(expected) and packed > 0
-    assert any(len(ids) == SEQ_LEN + 1 for ids in expected)  # some were cut to a row
+    assert sorted(found) == sorted(expected)  # every kept piece once, none cut across rows
+    assert len(expected) > conversations and packed > 0  # some were split
+    assert sum(entry[f"{split}_documents"] for entry in manifest["sources"].values()
+               for split in ("train", "val")) == conversations - 3  # less the exact duplicates
+    assert sum(entry[f"{split}_split"] for entry in manifest["sources"].values()
+               for split in ("train", "val")) > 0
     loss_tokens = sum(int(sample[MASK_FIELD].sum()) for sample in samples(data_dir, manifest))
     assert loss_tokens == sum(manifest["splits"][split]["loss_tokens"] for split in ("train", "val"))
 
@@ -127,7 +138,11 @@ def test_conversations_are_cleaned_and_deduplicated_per_source(sft_data) -> None
     sources = read_manifest(data_dir)["sources"]
     assert sources["chats"]["removed"] == {"exact_duplicate": 3, "empty_turn": 1, "no_assistant_turn": 1,
                                            "assistant_first": 1}
-    assert sources["chats"]["kept"] == 60 and sources["instructions"]["kept"] == 20
+    # An instruction whose answer alone is longer than a row: nothing of it fits.
+    assert sources["instructions"]["removed"] == {"too_long": 1}
+    assert sources["chats"]["kept"] == 61 and sources["instructions"]["kept"] == 19
+    # long_exchange: its first exchange left out, its second kept
+    assert sources["chats"]["train_dropped_turns"] + sources["chats"]["val_dropped_turns"] >= 1
     assert sources["parquet"]["kept"] == 10
     held_out = [json.loads(line) for line in (data_dir / "val_docs.jsonl").read_text().splitlines()]
     assert held_out
