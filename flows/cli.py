@@ -470,9 +470,10 @@ def run_pipeline(args: argparse.Namespace) -> int:
 
     result = run_flow(pipeline_flow, dict(config=cfg, force=args.force), stages, cfg)
     print(f"MLflow run: {result.run_id}")
-    from forgeline.tasks.tracking import run_link  # imported already: the flow ran in this process
+    from forgeline.tasks.tracking import run_link, runs_link  # imported already: the flow ran here
 
     print(f"MLflow UI: {run_link(cfg, result.run_id)}")
+    print(f"MLflow runs table, with the scores: {runs_link(cfg)}")
     print(f"Registered model: {result.model_name} version {result.model_version}")
     print(f"Promotion: {result.promotion}")
     from forgeline.eval.scores import Z95  # imported already: the flow ran in this process

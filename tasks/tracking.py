@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
+import json
 import logging
 import os
 import re
@@ -248,22 +249,48 @@ def _close_spools() -> None:
         spool.close(0)
 
 
+# A view of the runs table that MLflow's UI opens from `?viewStateShareKey=forgeline` (what its
+# Share button saves: an experiment tag `mlflow.sharedViewState.<key>` holding the view's JSON):
+# the columns of the scores, which its default view leaves out (it shows no metric until a user
+# picks some among all of them).
+RUNS_VIEW_KEY = "forgeline"
+RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
+RUNS_VIEW_COLUMNS = ("eval/overall", "eval/stderr/overall", "train/final_loss", "train/best_val_bpb")
+
+
+def runs_view() -> str:
+    """RUNS_VIEW_TAG's value: the UI's column keys (`metrics.`eval/overall``), after its default ones."""
+    columns = [f"attributes.`{name}`" for name in ("Source", "Models", "Dataset")]
+    columns += [f"metrics.`{key}`" for key in RUNS_VIEW_COLUMNS] + ["tags.`forgeline.model_version`"]
+    return json.dumps({"selectedColumns": columns})
+
+
 def experiment_id(client: MlflowClient, cfg: Config) -> str:
     """The id of the experiment `cfg` logs to, created if missing; marked as holding training
     runs unless its kind is set already (an older forgeline created it without, or the user
-    chose one in the UI)."""
+    chose one in the UI), and holding forgeline's view of its runs table (RUNS_VIEW_TAG)."""
     name = cfg.registry.experiment
+    tags = {EXPERIMENT_KIND_TAG: TRAINING_KIND, RUNS_VIEW_TAG: runs_view()}
     found = client.get_experiment_by_name(name)
     if found is None:
         try:
             return client.create_experiment(
-                name, artifact_location=resolve_artifact_location(cfg.registry.artifact_location),
-                tags={EXPERIMENT_KIND_TAG: TRAINING_KIND})
+                name, artifact_location=resolve_artifact_location(cfg.registry.artifact_location), tags=tags)
         except MlflowException:  # created concurrently by another process
             found = client.get_experiment_by_name(name)
     if EXPERIMENT_KIND_TAG not in found.tags:
         client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
+    if found.tags.get(RUNS_VIEW_TAG) != tags[RUNS_VIEW_TAG]:  # forgeline's, as this version sees it
+        client.set_experiment_tag(found.experiment_id, RUNS_VIEW_TAG, tags[RUNS_VIEW_TAG])
     return found.experiment_id
+
+
+def runs_link(cfg: Config) -> str:
+    """The runs table of `cfg`'s experiment in MLflow's UI, in its training view, with the score
+    columns (RUNS_VIEW_TAG)."""
+    experiment = experiment_id(MlflowClient(resolve_tracking_uri(cfg)), cfg)
+    return ui_page(cfg, f"#/experiments/{experiment}/runs?workflowType=machine_learning"
+                        f"&viewStateShareKey={RUNS_VIEW_KEY}")
 
 
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a store that is no server
@@ -274,9 +301,13 @@ def run_link(cfg: Config, run_id: str) -> str:
     its GenAI view unless the address says `workflowType=machine_learning` (its sidebar switch;
     it reads no experiment tag for this), and `#/experiments/<id>/runs/<run>` is its run page.
     A store that is no server is served by `mlflow ui` first, which the line says."""
+    experiment = MlflowClient(resolve_tracking_uri(cfg)).get_run(run_id).info.experiment_id
+    return ui_page(cfg, f"#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning")
+
+
+def ui_page(cfg: Config, page: str) -> str:
+    """`page` (a route of MLflow's UI) on the tracking server, or on `mlflow ui` over the store."""
     uri = resolve_tracking_uri(cfg)
-    experiment = MlflowClient(uri).get_run(run_id).info.experiment_id
-    page = f"#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
     if uri.startswith(("http://", "https://")):
         return f"{scrub(uri).rstrip('/')}/{page}"
     return f"{LOCAL_UI}/{page} (after `mlflow ui --backend-store-uri {uri}`)"

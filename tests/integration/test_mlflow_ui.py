@@ -111,6 +111,10 @@ def test_two_pipeline_runs_open_in_the_compare_view(tmp_path: Path, mlflow_serve
     wait_for_text(browser, names[0], "train.steps")
     assert "workflowType=machine_learning" in browser.current_url, browser.current_url
 
+    # The runs table's link: the score columns shown, on every row (one name per score).
+    browser.get(re.search(r"MLflow runs table, with the scores: (\S+)", second.stdout).group(1))
+    wait_for_text(browser, *names, "eval/overall", "train/final_loss")
+
     # The link the README gives: the experiment on its runs, not on the GenAI overview.
     browser.get(f"{mlflow_server}/#/experiments/{experiment}?workflowType=machine_learning")
     listing = wait_for_text(browser, *names)

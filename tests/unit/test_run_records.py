@@ -23,7 +23,15 @@ from forgeline.tasks.evaluate import (
 )
 from forgeline.tasks.register import RegisterResult, record_registration
 from forgeline.tasks.runner import STAGE_TAG
-from forgeline.tasks.tracking import resolve_tracking_uri, run_link, run_name, tracked_run
+from forgeline.tasks.tracking import (
+    RUNS_VIEW_KEY,
+    RUNS_VIEW_TAG,
+    resolve_tracking_uri,
+    run_link,
+    run_name,
+    runs_link,
+    tracked_run,
+)
 from tests.conftest import debug_config
 
 CODE = {"git.commit": "1a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d", "git.dirty": "false"}
@@ -75,6 +83,11 @@ def test_an_eval_run_names_what_it_scored_and_every_score_has_one_name(tmp_path:
     assert client.get_run(train.run_id).info.run_name == "train debug v3 dp1 @1a2b3c4"
     assert client.get_run(register.run_id).info.run_name == "register debug v3 @1a2b3c4"
 
+    # The runs table's view with the score columns, which the link to it opens (MLflow's shared view).
+    view = json.loads(client.get_experiment(pipeline.info.experiment_id).tags[RUNS_VIEW_TAG])
+    assert {"metrics.`eval/overall`", "metrics.`train/final_loss`"} <= set(view["selectedColumns"])
+    assert runs_link(cfg).startswith(f"http://127.0.0.1:5000/#/experiments/{pipeline.info.experiment_id}/runs?"
+                                     f"workflowType=machine_learning&viewStateShareKey={RUNS_VIEW_KEY} ")
     link = run_link(cfg, parent.run_id)
     experiment = pipeline.info.experiment_id
     assert re.fullmatch(rf"http://127\.0\.0\.1:5000/#/experiments/{experiment}/runs/{parent.run_id}"
