@@ -16,6 +16,10 @@ forgeline and the standard library that those files import (their import stateme
 those packages import in turn), each by its installed version. Files of installed packages that a
 module reads, as the eval suite reads lm-eval's task YAMLs, count by content (INSTALLED_DATA).
 
+A module counts as this process imported it: a stage that starts hours after the CLI imported its
+code (eval after training) runs that code, not an edit made since, and its key says so
+(`imported_source`); the next run reads the edit and runs the stage again.
+
 Paths are relative to the checkout (PACKAGE_ROOT), as dvc.yaml names them. This module is light
 (the standard library only): the CLI imports the records, which derive their code from it.
 """
@@ -25,6 +29,8 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import importlib.abc
+import importlib.machinery
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -48,6 +54,53 @@ INSTALLED_DATA = {
 }
 """Files of installed third-party packages that a module reads, by module name: a reference to a
 function () -> {name: sha256} of their contents."""
+
+
+_IMPORTED_SOURCE: dict[Path, bytes] = {}
+"""The source of each module of the package this process imported, as it was then."""
+
+
+def imported_source(path: Path) -> bytes:
+    """The bytes of a file of the package as this process runs them: as imported, for a module
+    it imported, else as on disk."""
+    path = path.resolve()
+    return _IMPORTED_SOURCE[path] if path in _IMPORTED_SOURCE else path.read_bytes()
+
+
+class _RecordingLoader(importlib.machinery.SourceFileLoader):
+    """Keeps a module's source as it executes it."""
+
+    def exec_module(self, module: object) -> None:
+        _IMPORTED_SOURCE[Path(self.path).resolve()] = Path(self.path).read_bytes()
+        super().exec_module(module)
+
+
+class _SourceRecorder(importlib.abc.MetaPathFinder):
+    """First on sys.meta_path: finds the package's modules as the finders after it do, and has
+    their source kept as they are executed."""
+
+    def find_spec(self, fullname: str, path: object,
+                  target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname.split(".")[0] != PACKAGE:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None) if finder is not self else None
+            if find is not None and (spec := find(fullname, path, target)) is not None:
+                if type(spec.loader) is importlib.machinery.SourceFileLoader:
+                    spec.loader = _RecordingLoader(spec.loader.name, spec.loader.path)
+                return spec
+        return None
+
+
+def record_imported_sources() -> None:
+    """From now on keep the source of each module of the package as it is imported; those
+    imported already (the CLI's, a moment ago) are read now."""
+    if not any(isinstance(finder, _SourceRecorder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _SourceRecorder())
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if name.split(".")[0] == PACKAGE and file and file.endswith(".py"):
+            _IMPORTED_SOURCE.setdefault(Path(file).resolve(), Path(file).read_bytes())
 
 
 def module_file(module: str) -> Path | None:
@@ -238,3 +291,7 @@ def _collapse(directory: Path, used: set[str]) -> list[str]:
             inside = {str(path.relative_to(PACKAGE_ROOT)) for path in package_files(child)}
             entries += [name] if inside <= used else _collapse(child, used)
     return entries
+
+
+# Whatever derives a key imports this module first: from here on, imports are recorded.
+record_imported_sources()

@@ -33,6 +33,7 @@ from forgeline.tasks.code_inputs import (
     PACKAGE_ROOT,
     code_files,
     collapsed,
+    imported_source,
     installed_files,
     installed_versions,
     reached,
@@ -208,11 +209,11 @@ class Stage:
         return collapsed(self.code_files)
 
     def code_hash(self) -> str:
-        """sha256 over its code files (relative path and bytes, in sorted order): the code part
-        of its cache key."""
+        """sha256 over its code files (relative path and bytes, in sorted order; a module this
+        process imported as it was imported): the code part of its cache key."""
         digest = hashlib.sha256()
         for name in self.code_files:
-            digest.update(name.encode() + b"\0" + (PACKAGE_ROOT / name).read_bytes())
+            digest.update(name.encode() + b"\0" + imported_source(PACKAGE_ROOT / name))
         return digest.hexdigest()
 
     def package_versions(self) -> dict[str, str | None]:

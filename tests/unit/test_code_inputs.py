@@ -157,6 +157,28 @@ def test_a_byte_in_a_helper_module_changes_the_key_of_each_stage_that_runs_it(tm
     assert {name for name in last if shared[name] != last[name]} == set(STAGE_NAMES)
 
 
+def test_a_module_keys_as_this_process_imported_it_not_as_edited_since(tmp_path: Path) -> None:
+    """A stage that starts after its code was edited on disk (eval, hours after the CLI imported
+    it) runs the imported code: its key is of that code, and a new process keys the edit."""
+    package = package_copy(tmp_path)
+    script = """import json, sys
+from pathlib import Path
+from forgeline.tasks.stage import stage_named
+import forgeline.model.inference  # imported, as the eval stage imports it
+before = {name: stage_named(name).code_hash() for name in ("eval", "data")}
+for edited in ("model/inference.py", "tasks/data/clean.py"):  # the second is not imported here
+    with open(Path(sys.argv[1]) / edited, "a") as f:
+        f.write("# edited after import\\n")
+print(json.dumps([before, {name: stage_named(name).code_hash() for name in before}]))
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(package)], env={"PYTHONPATH": str(tmp_path)},
+                          capture_output=True, text=True, timeout=120, check=True, cwd=tmp_path)
+    before, after = json.loads(done.stdout)
+    assert after["eval"] == before["eval"]  # the edit is not what this process runs
+    assert after["data"] != before["data"]  # a module it has not imported counts as on disk
+    assert code_hashes(package)["eval"] != before["eval"]  # the next run keys the edit
+
+
 def test_the_third_party_modules_a_file_imports_are_read_from_its_source(tmp_path: Path) -> None:
     source = tmp_path / "job.py"
     source.write_text(
