@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +179,8 @@ class RunTracker:
     client: MlflowClient
     run_id: str
     spool: TrackingSpool
+    earlier_params: dict[str, str] = field(default_factory=dict)
+    """Of a reopened run: the params its earlier attempts logged (MLflow refuses another value)."""
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         now = _now_ms()
@@ -186,7 +188,16 @@ class RunTracker:
                              wait=True)
 
     def log_params(self, params: dict[str, Any]) -> None:
-        self.spool.log_batch(params={k: str(redact(k, v)) for k, v in params.items()}, wait=True)
+        """Params; in a reopened run, one an earlier attempt logged with another value -- a setting
+        that does not change what is computed, as a continued training's resume check ensures
+        (train.timeout_s, train.callbacks) -- as tag `forgeline.param_changed.<key>` instead."""
+        values = {k: str(redact(k, v)) for k, v in params.items()}
+        changed = {k: v for k, v in values.items() if self.earlier_params.get(k, v) != v}
+        self.spool.log_batch(params={k: v for k, v in values.items() if k not in changed}, wait=True)
+        if changed:
+            log.info("run %s: %s changed since its earlier attempt: tagged forgeline.param_changed.*",
+                     self.run_id, ", ".join(changed))
+            self.set_tags({f"{PARAM_CHANGED_TAG}.{k}": v for k, v in changed.items()})
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         self.spool.log_batch(tags={k: str(redact(k, v)) for k, v in tags.items()}, wait=True)
@@ -351,6 +362,7 @@ def run_name(what: str, cfg: Config, with_layout: bool, code: dict[str, str] | N
 
 CONTINUED_FROM_TAG = "forgeline.continued_from_parent_run_id"  # on a run another parent's rerun continued
 CONTINUED_IN_TAG = "forgeline.continued_in_run_id"  # on that earlier parent: the run, continued elsewhere
+PARAM_CHANGED_TAG = "forgeline.param_changed"  # + ".<key>": a reopened run's param, changed since
 
 
 @contextmanager
@@ -392,6 +404,7 @@ def tracked_run(cfg: Config, name: str, parent_run_id: str | None = None,
         attempt = 1
     else:
         tracker = tracker_for(cfg, run.info.run_id, client)
+        tracker.earlier_params = dict(run.data.params)
         attempt = int(run.data.tags.get(ATTEMPT_TAG, "1")) + 1
         client.update_run(tracker.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
     tracker.set_tags({ATTEMPT_TAG: attempt})

@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 
 from forgeline.model.checkpoint.manager import MANIFEST_NAME
@@ -24,6 +25,9 @@ from forgeline.tasks.evaluate import (
 from forgeline.tasks.register import RegisterResult, record_registration
 from forgeline.tasks.runner import STAGE_TAG
 from forgeline.tasks.tracking import (
+    CONTINUED_FROM_TAG,
+    CONTINUED_IN_TAG,
+    PARAM_CHANGED_TAG,
     RUNS_VIEW_KEY,
     RUNS_VIEW_TAG,
     resolve_tracking_uri,
@@ -93,3 +97,34 @@ def test_an_eval_run_names_what_it_scored_and_every_score_has_one_name(tmp_path:
     assert re.fullmatch(rf"http://127\.0\.0\.1:5000/#/experiments/{experiment}/runs/{parent.run_id}"
                         r"\?workflowType=machine_learning \(after `mlflow ui --backend-store-uri sqlite:///.*`\)",
                         link), link
+
+
+def test_a_continued_run_moves_under_the_new_parent_and_keeps_its_params(tmp_path: Path) -> None:
+    """tracked_run(continues=): the stopped run reopened -- not a new one -- under the rerun's
+    parent, both parents linked; a setting the rerun changed (one the resume check lets differ)
+    is a tag, not a param MLflow refuses."""
+    cfg = debug_config(tmp_path)
+    client = MlflowClient(resolve_tracking_uri(cfg))
+    with tracked_run(cfg, "pipeline", tags={"n": "1"}) as first:
+        with pytest.raises(KeyboardInterrupt):
+            with tracked_run(cfg, "train", first.run_id, {STAGE_TAG: "train"}) as stopped:
+                stopped.log_params({"train.timeout_s": 60, "train.steps": 24})
+                raise KeyboardInterrupt  # as SIGTERM stops it
+    assert client.get_run(stopped.run_id).info.status == "FAILED"
+    with tracked_run(cfg, "pipeline") as second:
+        with tracked_run(cfg, "train again", second.run_id, {STAGE_TAG: "train"},
+                         continues=stopped.run_id) as resumed:
+            resumed.log_params({"train.timeout_s": 120, "train.steps": 24})
+    run = client.get_run(stopped.run_id)
+    assert resumed.run_id == stopped.run_id and run.info.status == "FINISHED"
+    assert run.info.run_name == "train again" and run.data.tags["forgeline.attempts"] == "2"
+    assert run.data.tags["mlflow.parentRunId"] == second.run_id
+    assert run.data.tags[CONTINUED_FROM_TAG] == first.run_id
+    assert client.get_run(first.run_id).data.tags[CONTINUED_IN_TAG] == run.info.run_id
+    assert run.data.params == {"train.timeout_s": "60", "train.steps": "24"}
+    assert run.data.tags[f"{PARAM_CHANGED_TAG}.train.timeout_s"] == "120"
+    # A finished run is never continued: the next one starts anew.
+    with tracked_run(cfg, "pipeline") as third:
+        with tracked_run(cfg, "train", third.run_id, continues=stopped.run_id) as fresh:
+            pass
+    assert fresh.run_id != stopped.run_id
