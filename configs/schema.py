@@ -1176,16 +1176,34 @@ class Config(Section):
         if self.run.name is None:
             stem = (info.context or {}).get("config_name", "run")
             _fill(self.run, "name", f"{stem}-{run_fingerprint(self.model_dump(mode='json'))[:8]}")
-        if self.data.out_dir is None:
-            _fill(self.data, "out_dir", f"{ARTIFACTS_DIR}/data-{self.data_fingerprint()[:8]}")
-        if self.data.raw_dir is None:
-            sources = json.dumps(self.model_dump(mode="json", include={"data": {"sources"}}), sort_keys=True)
-            _fill(self.data, "raw_dir", f"{ARTIFACTS_DIR}/raw-{hashlib.sha256(sources.encode()).hexdigest()[:8]}")
-        for section, name in ((self.train, "train"), (self.eval, "eval"), (self.registry, "register")):
-            if section.out_dir is None:
-                _fill(section, "out_dir", f"{ARTIFACTS_DIR}/{self.run.name}/{name}")
+        for dotted, value in self.derived_placement().items():
+            section, field = dotted.split(".")
+            if getattr(getattr(self, section), field) is None:
+                _fill(getattr(self, section), field, value)
         self.__pydantic_fields_set__.update({"run", "data", "train", "eval", "registry"})
         return self
+
+    def derived_placement(self) -> dict[str, str]:
+        """The output directories this config gets when it names none: the data's, named by what
+        it is built from, and the run's stages', under `artifacts/<run.name>/`."""
+        sources = json.dumps(self.model_dump(mode="json", include={"data": {"sources"}}), sort_keys=True)
+        return {"data.out_dir": f"{ARTIFACTS_DIR}/data-{self.data_fingerprint()[:8]}",
+                "data.raw_dir": f"{ARTIFACTS_DIR}/raw-{hashlib.sha256(sources.encode()).hexdigest()[:8]}",
+                "train.out_dir": f"{self.run_dir}/train", "eval.out_dir": f"{self.run_dir}/eval",
+                "registry.out_dir": f"{self.run_dir}/register"}
+
+    def dump_to_write(self) -> dict[str, Any]:
+        """The JSON dump to write as a config file (`forgeline plan --write-config`): less the
+        run.name and directories filled in when it was loaded, so that the file, read again with
+        other values, names a run and directories of its own."""
+        dump = self.model_dump(mode="json")
+        for dotted, value in self.derived_placement().items():
+            section, field = dotted.split(".")
+            if dump[section][field] == value:
+                del dump[section][field]
+        if self.run.name.endswith(f"-{run_fingerprint(dump)[:8]}"):
+            del dump["run"]["name"]
+        return dump
 
     def data_fingerprint(self) -> str:
         """What the data stage builds from: the data section less its placement, and

@@ -450,7 +450,7 @@ def apply_plan(cfg: Config, result: Plan) -> tuple[dict[str, Any], str | None]:
     launch takes it (None: nothing). That is the rendezvous of a layout across nodes under
     torchrun, which only the user knows: the keys keep `parallel.rdzv_endpoint` empty, and the
     launch refuses them, naming it, until it is set."""
-    raw = cfg.model_dump(mode="json")
+    raw = cfg.dump_to_write()  # read again, the planned file names a run of its own
     raw["parallel"] |= {"tp": result.tp, "pp": result.pp, "dp_shard": result.dp, "dp_replicate": 1,
                         "pp_microbatches": result.workload.num_microbatches,
                         "activation_checkpoint": result.workload.activation_checkpointing,

@@ -117,14 +117,27 @@ def test_checkpoints_of_this_run_on_changed_data_are_set_aside_not_deleted(tmp_p
 
 def test_a_stage_dvc_runs_fails_when_the_config_moved_its_directories(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "tiny.yaml").write_text(Path(shipped_configs()[0].parent / "debug.yaml").read_text())
+    params = tmp_path / "configs" / "tiny.yaml"
+    params.parent.mkdir()
+    params.write_text(Path(shipped_configs()[0].parent / "debug.yaml").read_text())
     (tmp_path / "dvc.yaml").write_text(render_dvc_yaml(root=tmp_path))
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
     monkeypatch.setenv("DVC_STAGE", "train")
-    cfg = load_config(tmp_path / "configs" / "tiny.yaml")
-    check_dvc_outputs(cfg, "configs/tiny.yaml")  # dvc.yaml names its directories
-    check_dvc_outputs(load_config(tmp_path / "configs" / "tiny.yaml", ["eval.batch_size=2"]), "configs/tiny.yaml")
-    moved = load_config(tmp_path / "configs" / "tiny.yaml", ["train.lr=0.1"])
-    with pytest.raises(ValueError, match=r"Run `forgeline stages --write` so that dvc.yaml follows the config"):
+    check_dvc_outputs(load_config(params), "configs/tiny.yaml")  # dvc.yaml names its directories
+    check_dvc_outputs(load_config(params, ["eval.batch_size=2"]), "configs/tiny.yaml")  # the same run
+    moved = load_config(params, ["train.lr=0.1"])
+    with pytest.raises(ValueError, match=r"Run `forgeline stages --write` so that dvc.yaml follows"):
         check_dvc_outputs(moved, "configs/tiny.yaml")
+
+
+def test_a_planned_config_names_a_run_of_its_own(tmp_path: Path) -> None:
+    """`forgeline plan --write-config` writes no run.name or directory that tiny.yaml's load filled
+    in: the planned file, another recipe (its global batch), trains in a directory of its own."""
+    out = tmp_path / "planned.yaml"
+    assert main(["plan", "--config", "tiny.yaml", "--nodes", "1", "--accelerators-per-node", "8",
+                 "--memory-gib", "80", "--write-config", str(out)]) == 0
+    written = yaml.safe_load(out.read_text())
+    assert "name" not in written.get("run", {}) and "out_dir" not in written["train"]
+    planned, tiny = load_config(out), load_config("tiny.yaml")
+    assert planned.run.name.startswith("planned-") and planned.train.out_dir != tiny.train.out_dir
+    assert planned.data.out_dir == tiny.data.out_dir  # the same data
