@@ -7,13 +7,17 @@ last_assistant`, and a conversation longer than a row split at turn boundaries."
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from forgeline.configs.schema import CleaningConfig
 from forgeline.eval.chat import end_of_turn, end_of_turn_id
-from forgeline.tasks.data.chat import ChatTemplateError, render, render_pieces
+from forgeline.tasks.data import work as w
+from forgeline.tasks.data.chat import ChatTemplateError, conversation_text, render, render_pieces
 
 LLAMA3 = (
     "{{- bos_token }}{%- for message in messages %}"
@@ -243,3 +247,39 @@ def test_last_assistant_keeps_the_most_exchanges_that_fit_before_the_last_reply(
     long_last = [SYSTEM, *exchange(1), *exchange(2, "Paris. " * 60)]
     nothing = render_pieces(tokenizer, long_last, two, train_on="last_assistant")
     assert nothing.rendered == [] and nothing.dropped_turns == 1
+
+
+def test_the_data_stage_trains_on_pieces_and_counts_what_it_leaves_out(tmp_path) -> None:
+    """tokenize_piece's conversations (work.render_piece): pieces packed as conversations of their
+    own, each with its mask; the exchanges and conversations left out counted; sft.train_on."""
+    tokenizer = family_tokenizer("qwen2")
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    row = len(render(tokenizer, [SYSTEM, *exchange(1), *exchange(2)]).ids) + 2
+    chats = [[SYSTEM, *exchange(1), *exchange(2), *exchange(3, "Paris. " * 60), *exchange(4)],  # 2 pieces
+             [SYSTEM, *exchange(1, "Paris. " * 60)],  # too long
+             exchange(5)]  # fits whole
+    plan = w.Plan(str(tmp_path / "work"), "", CleaningConfig(), ("chats",), (1.0,), 0.1, 1, (0,), True)
+    (tmp_path / "work" / "tokens").mkdir(parents=True)
+    names = ["a", "b", "c"]
+    replies = [["Answer 1.<|im_end|>", "Answer 2.<|im_end|>"], ["Answer 4.<|im_end|>"],
+               ["Answer 5.<|im_end|>"]]
+    for train_on, trained in (("all_assistant", replies), ("last_assistant", replies[1:])):
+        chat = w.ChatWork(str(tmp_path / "tokenizer"), row, train_on)
+        work = w.PieceWork(0, "val", 1, "", 0, "<u4", plan, chat)
+        texts = [(conversation_text(messages), 0) for messages in chats]
+        [counts] = w.render_piece(work, texts, names).values()
+        documents, tokens, several, loss, dropped, dropped_turns, examples = counts
+        ids, mask = np.load(f"{work.stem}.ids.npy"), np.load(f"{work.stem}.mask.npy")
+        docs = np.load(f"{work.stem}.docs.npy")
+        ends = np.cumsum(docs["length"])
+        assert [trained_runs(tokenizer, ids[end - length:end], mask[end - length:end])
+                for end, length in zip(ends, docs["length"], strict=True)] == trained
+        assert (documents, several, dropped) == (2, int(train_on == "all_assistant"), {"too_long": 1})
+        # last_assistant: exchange 3 is not left out but before the piece that ends with the last reply
+        assert dropped_turns == (train_on == "all_assistant") and tokens == len(ids) and loss == mask.sum()
+        assert examples == ["b: too_long (no exchange fits in a row)"]
+        held_out = [json.loads(line) for line in work.stem.with_suffix(".jsonl").read_text().splitlines()]
+        assert [doc["messages"] for doc in held_out][-1] == chats[-1]
+        assert all(doc["messages"][0] == SYSTEM for doc in held_out[:-1])
+        assert [doc["name"] for doc in held_out] == (["a (part 1 of 2)", "a (part 2 of 2)", "c"]
+                                                     if train_on == "all_assistant" else ["a", "c"])
