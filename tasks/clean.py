@@ -1,5 +1,7 @@
 """`forgeline clean`: remove the outputs a user names -- a checkpoint directory, a stage's output
-directory, a run's directory -- and nothing else."""
+directory, a run's directory (`artifacts/<run.name>`) -- and nothing else. It is the only way
+forgeline removes committed checkpoints: a run never clears a train directory that holds another
+configuration's (tasks/train/job.py check_run_directory)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-ARTIFACTS_DIR = Path("artifacts")  # where the shipped configs put every output, under the working directory
+from forgeline.configs import schema
+
+ARTIFACTS_DIR = Path(schema.ARTIFACTS_DIR)  # where a config naming no directory writes (relative)
 
 
 def clean(paths: Sequence[Path], outside_artifacts: bool = False) -> list[Path]:
