@@ -19,8 +19,9 @@ can land between the check and the act. A finished attempt releases the root (`c
 The lock fences processes of one machine, and those of several on a shared file system whose
 flock reaches every client (NFS with locking, whose Linux client maps flock to POSIX locks; Lustre
 mounted `-o flock`); with node-local locks (NFS `nolock`, Lustre `localflock`) only the token
-check is left. The persistent tier (tiers.py) is a copy: it takes only checkpoints committed here,
-never overwrites one it holds, and a copy is verified against its manifest when it is pulled.
+check is left, which the start of training says (mounts.py). The persistent tier (tiers.py) is a
+copy: it takes only checkpoints committed here, never overwrites one it holds, and a copy is
+verified against its manifest when it is pulled.
 
 State is saved under constant top-level keys -- "model", "optim", "train", "rng" -- through
 `get_state_dict`-style helpers, so any parallel layout can load it (and eval can load just
@@ -63,6 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from forgeline.configs.schema import CheckpointConfig
+from forgeline.model.checkpoint.mounts import flock_warning
 from forgeline.model.checkpoint.tiers import PersistentTier
 from forgeline.model.fileio import fsync_path, sha256_file
 
@@ -102,6 +104,8 @@ def claim_generation(root: Path, rank: int) -> str:
     """Collective: make this training attempt the one that may write under `root`; its token."""
     token = [uuid.uuid4().hex if rank == 0 else None]
     if rank == 0:
+        if warning := flock_warning(root):
+            log.warning(warning)
         with generation_lock(root):
             staged = root / f"{GENERATION_NAME}.{token[0]}"
             staged.write_text(token[0])
