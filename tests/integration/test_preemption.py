@@ -5,6 +5,7 @@ mode ends with weights bit-identical to an uninterrupted run."""
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import signal
@@ -20,6 +21,7 @@ from mlflow import MlflowClient
 from forgeline.model.checkpoint.manager import committed_checkpoints, read_checkpoint_manifest
 from forgeline.model.inference import load_from_checkpoint
 from forgeline.tasks.runner import STAGE_TAG
+from forgeline.tasks.tracking import CONTINUED_FROM_TAG, CONTINUED_IN_TAG
 from forgeline.tasks.train.job import TrainPreempted, TrainResult, train_model
 from forgeline.tasks.train.launch import LaunchTimeout
 from tests.conftest import REPO_ROOT, debug_config
@@ -105,7 +107,9 @@ def test_sigterm_to_the_stage_saves_the_step_the_ranks_are_in(data_root: Path, t
                                                              uninterrupted: dict[str, torch.Tensor]) -> None:
     """SIGTERM to `forgeline stage train` itself (a Kubernetes eviction of its pod, a cancelled
     flow run): it passes the signal to the job, whose ranks save the step they are in within the
-    grace period; a rerun resumes from there and ends bit-identical."""
+    grace period; a rerun resumes from there and ends bit-identical -- in the MLflow run the
+    stopped one began: one run, its loss logged at every step, under the rerun's parent and
+    linked with the parent it was stopped under."""
     cue = tmp_path / "signalled"
     wait = callbacks(("WaitBefore", {"step": 16, "until": str(cue)}))
     cmd = [str(VENV_BIN / "forgeline"), "stage", "train", "--config", "debug.yaml",
@@ -125,10 +129,10 @@ def test_sigterm_to_the_stage_saves_the_step_the_ranks_are_in(data_root: Path, t
     cue.touch()
     stage.wait(timeout=200)
     assert stage.returncode != 0 and time.monotonic() - signalled < 60, log.read_text()[-6000:]
-    checkpoints = tmp_path / "artifacts" / "train" / "checkpoints"
+    [checkpoints] = tmp_path.glob("artifacts/**/checkpoints")  # train.out_dir's, wherever it is
     [saved] = committed_checkpoints(checkpoints)
     assert saved.step == 16 and read_checkpoint_manifest(saved.path)["loss"] > 0
-    record = json.loads((tmp_path / "artifacts" / "train" / "preempted.json").read_text())
+    record = json.loads((checkpoints.parent / "preempted.json").read_text())
     assert record["signal"] == "SIGTERM" and record["step"] == 16
 
     rerun = subprocess.run(cmd, cwd=tmp_path, env=user_env(tmp_path), capture_output=True, text=True,
@@ -136,6 +140,21 @@ def test_sigterm_to_the_stage_saves_the_step_the_ranks_are_in(data_root: Path, t
     assert rerun.returncode == 0, rerun.stderr[-6000:]
     assert "starting at step 16/24" in rerun.stderr
     assert_bit_identical(checkpoints / f"step-{STEPS:08d}", uninterrupted)
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("forgeline-debug").experiment_id
+    [run] = client.search_runs([experiment], filter_string=f"tags.`{STAGE_TAG}` = 'train'")
+    assert run.info.status == "FINISHED" and run.data.tags["forgeline.attempts"] == "2"
+    steps = {m.step for m in client.get_metric_history(run.info.run_id, "loss")}
+    assert steps == set(range(1, STEPS + 1))  # steps 1-16 from the stopped attempt, 17-24 resumed
+    parents = client.search_runs([experiment], filter_string="attributes.run_name LIKE 'stage train%'",
+                                 order_by=["attributes.start_time ASC"])
+    stopped_under, resumed_under = (parent.info.run_id for parent in parents)
+    assert run.data.tags["mlflow.parentRunId"] == resumed_under
+    assert run.data.tags[CONTINUED_FROM_TAG] == stopped_under
+    assert client.get_run(stopped_under).data.tags[CONTINUED_IN_TAG] == run.info.run_id
+    with (checkpoints.parent / "loss.csv").open() as curve:  # loss.png's numbers
+        assert [int(row["step"]) for row in csv.DictReader(curve)] == list(range(1, STEPS + 1))
 
 
 def logged_step(spool: Path, step: int) -> bool:
