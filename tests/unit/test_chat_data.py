@@ -107,6 +107,7 @@ def test_shards_pack_whole_conversations_with_the_masks_chat_renders(sft_data) -
     data_dir, written = sft_data
     manifest = read_manifest(data_dir)
     assert manifest["loss_masks"] is True and len(manifest["chat_template_sha256"]) == 64
+    assert manifest["train_on"] == "all_assistant"
     (expected, conversations), found, packed = expected_conversations(written), [], 0
     for sample in samples(data_dir, manifest):
         tokens, starts, mask = sample[SAMPLE_FIELD], sample[STARTS_FIELD], sample[MASK_FIELD]
