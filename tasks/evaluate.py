@@ -65,7 +65,7 @@ from forgeline.eval.scores import (
     paired_comparison,
     stderr_metrics,
 )
-from forgeline.eval.suite import render_suite, suite_fingerprint, suite_task_manager
+from forgeline.eval.suite import evaluate_tasks, render_suite, suite_fingerprint, suite_task_manager
 from forgeline.model.checkpoint.manager import CheckpointError, read_checkpoint_manifest, verify_checkpoint
 from forgeline.model.fileio import sha256_file
 from forgeline.model.inference import checkpoint_shape
@@ -450,11 +450,8 @@ def score_lm(lm: lm_eval.api.model.LM, plan: Plan, task_manager: TaskManager) ->
             log.info("evaluating %s: %s (limit %s, %d-shot%s)", name, ", ".join(s.task for s in scores),
                      dcfg.limit, dcfg.num_fewshot, ", through the chat template" if chat else "",
                      extra={"progress": (done, len(plan), name)})
-            results = lm_eval.simple_evaluate(
-                model=lm, tasks=[s.task for s in scores], num_fewshot=dcfg.num_fewshot, limit=dcfg.limit,
-                task_manager=task_manager, log_samples=True, bootstrap_iters=0, apply_chat_template=chat,
-                random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
-            )
+            results = evaluate_tasks(lm, [s.task for s in scores], num_fewshot=dcfg.num_fewshot,
+                                     limit=dcfg.limit, chat=chat, task_manager=task_manager)
             samples = results.pop("samples")
             scored.items |= {s.task: TaskItems.from_samples(samples[s.task], s) for s in scores}
             scored.lm_eval_results[name] = results
