@@ -17,7 +17,9 @@ from transformers import PreTrainedTokenizerFast
 from forgeline.configs.schema import CleaningConfig
 from forgeline.eval.chat import end_of_turn, end_of_turn_id
 from forgeline.tasks.data import work as w
+from forgeline.tasks.data.build import files_named_by_path
 from forgeline.tasks.data.chat import ChatTemplateError, conversation_text, render, render_pieces
+from tests.conftest import debug_config
 
 LLAMA3 = (
     "{{- bos_token }}{%- for message in messages %}"
@@ -283,3 +285,11 @@ def test_the_data_stage_trains_on_pieces_and_counts_what_it_leaves_out(tmp_path)
         assert all(doc["messages"][0] == SYSTEM for doc in held_out[:-1])
         assert [doc["name"] for doc in held_out] == (["a (part 1 of 2)", "a (part 2 of 2)", "c"]
                                                      if train_on == "all_assistant" else ["a", "c"])
+
+
+def test_sft_train_on_is_part_of_the_data_stages_cache_key(tmp_path) -> None:
+    """The masks follow sft.train_on: a change must rebuild the data, not replay it."""
+    cfg = debug_config(tmp_path, "sft.lora=null", "data.sources=[{kind: chitchat}]")
+    last = cfg.with_values({"sft.train_on": "last_assistant"})
+    assert files_named_by_path(cfg) == {"sft.train_on": "all_assistant"}
+    assert files_named_by_path(last) == {"sft.train_on": "last_assistant"}
