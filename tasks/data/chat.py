@@ -151,29 +151,36 @@ def render_pieces(tokenizer: PreTrainedTokenizerBase, messages: list[Message], m
     if train_on == "last_assistant":
         last = max(n for n, exchange in enumerate(exchanges) if _has_reply(exchange)) + 1
         if fits(last - 1, last):
-            lo, hi = 0, last - 1  # the earliest first exchange that fits: fits(hi, last) holds
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if fits(mid, last) else (mid + 1, hi)
-            spans.append((hi, last))
+            spans.append((last - _furthest(lambda count: fits(last - count, last), last), last))
         else:
             dropped = 1
     else:
         first = 0
         while first < len(exchanges):
-            if not fits(first, first + 1):
+            if fits(first, first + 1):
+                end = first + _furthest(lambda count, first=first: fits(first, first + count),
+                                        len(exchanges) - first)
+                spans.append((first, end))
+                first = end
+            else:
                 dropped += _has_reply(exchanges[first])
                 first += 1
-                continue
-            lo, hi = first + 1, len(exchanges)  # the last end that fits: fits(first, lo) holds
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if fits(first, mid) else (lo, mid - 1)
-            spans.append((first, lo))
-            first = lo
     pieces = [system + _joined(exchanges[a:b]) for a, b in spans]
     return Pieces([(piece, render(tokenizer, piece, None, template, train_on))
                    for piece in pieces if any(m["role"] == "assistant" for m in piece)], dropped)
+
+
+def _furthest(fits: Callable[[int], bool], most: int) -> int:
+    """The largest count in [1, most] that `fits` (true of 1, and of every count below a true
+    one): counts grow by doubling, then bisect, so no rendering tried is much longer than a row."""
+    good, step = 1, 1
+    while good < most and fits(min(good + step, most)):
+        good, step = min(good + step, most), step * 2
+    bad = min(good + step, most) if good < most else most + 1  # a count that does not fit (most + 1: none)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
 
 
 def _exchanges(turns: list[Message]) -> list[list[Message]]:
