@@ -14,6 +14,7 @@ import httpx
 import pytest
 from mlflow import MlflowClient
 
+from forgeline.configs import load_config
 from tests.conftest import REPO_ROOT
 from tests.integration.helpers import VENV_BIN, run, serving, user_env
 
@@ -76,17 +77,18 @@ def test_deployments_run_the_pipeline_and_a_stage_on_its_outputs(worker: Path, p
     earlier = mlflow_run_of(client, pipeline["id"])
     assert earlier.data.tags["forgeline.train.out_dir"] == str(worker / "run1" / "train")
 
-    # The eval config names artifacts/{data,train}, which do not exist: only the reuse of the
+    # The eval config names its run's directories, which do not exist: only the reuse of the
     # earlier run's outputs lets it run.
     stage = run_deployment(api, "forgeline-eval/manual",
                            {"config": "debug.yaml", "upstream_run": earlier.info.run_id})
     assert stage["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-6000:]
-    assert not (worker / "artifacts" / "train").exists()
+    default = load_config("debug.yaml")
+    assert not (worker / default.train.out_dir).exists()
     rerun = mlflow_run_of(client, stage["id"])
     assert rerun.data.tags["forgeline.upstream_run"] == earlier.info.run_id
     for up in ("data", "train"):
         assert rerun.data.params[f"{up}.out_dir"] == earlier.data.tags[f"forgeline.{up}.out_dir"]
-    stamp = json.loads((worker / "artifacts" / "eval.stage.json").read_text())
+    stamp = json.loads((worker / f"{default.eval.out_dir}.stage.json").read_text())
     # The checkpoint of the earlier run, under the train directory that run recorded.
     checkpoint = Path(stamp["result"]["checkpoint"])
     assert checkpoint.parent == worker / "run1" / "train" / "checkpoints" and checkpoint.is_dir()

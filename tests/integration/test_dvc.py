@@ -25,7 +25,9 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from forgeline.configs import Config, load_config
 from forgeline.tasks.cache import CACHE_TAG
+from forgeline.tasks.dvc_yaml import render_dvc_yaml
 from forgeline.tasks.runner import STAGE_TAG
 from forgeline.tasks.stage import STAGE_NAMES
 from forgeline.tasks.tracking import dvc_hash
@@ -62,9 +64,21 @@ def fresh_repo(root: Path) -> Path:
             shutil.copy2(REPO_ROOT / name, repo / name)
     debug = yaml.safe_load((repo / "configs" / "debug.yaml").read_text())
     (repo / "configs" / "tiny.yaml").write_text(yaml.safe_dump(debug, sort_keys=False))
+    write_dvc_yaml(repo)
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     commit(repo, "fresh")
     return repo
+
+
+def params(repo: Path) -> Config:
+    """The config dvc.yaml runs in `repo`: where its outputs are, relative to the repository."""
+    return load_config(repo / "configs" / "tiny.yaml")
+
+
+def write_dvc_yaml(repo: Path) -> None:
+    """dvc.yaml for the config there (`forgeline stages --write`): its directories follow the keys
+    that name the run."""
+    (repo / "dvc.yaml").write_text(render_dvc_yaml(root=repo))
 
 
 def code_of(repo: Path) -> dict[str, str]:
@@ -130,10 +144,10 @@ def status(repo: Path, *targets: str) -> dict:
     return shown
 
 
-def round_trip(repo: Path, names: tuple[str, ...], *args: str) -> None:
-    """Push the outputs, lose them and the cache, pull them back: the same bytes. `args`: for
-    `dvc push` and `dvc pull` (stages, remote)."""
-    outputs = [repo / "artifacts" / name for name in names]
+def round_trip(repo: Path, fields: tuple[str, ...], *args: str) -> None:
+    """Push the outputs (of these config fields), lose them and the cache, pull them back: the same
+    bytes. `args`: for `dvc push` and `dvc pull` (stages, remote)."""
+    outputs = [repo / params(repo).value(field) for field in fields]
     before = [dvc_hash(out) for out in outputs]
     dvc(repo, "push", *args)
     for path in [*outputs, repo / ".dvc" / "cache"]:
@@ -169,32 +183,34 @@ def test_dvc_repro_records_the_data_version_moves_the_outputs_and_runs_experimen
     [data_run] = client.search_runs([client.get_experiment_by_name("forgeline-debug").experiment_id],
                                     filter_string=f"tags.`{STAGE_TAG}` = 'data'")
     assert data_run.data.tags["forgeline.data.dvc_md5"] == data_out["md5"]
-    metrics = json.loads((repo / "artifacts" / "eval" / "metrics.json").read_text())
+    cfg = params(repo)
+    metrics = json.loads((repo / cfg.eval.out_dir / "metrics.json").read_text())
     shown = json.loads(dvc(repo, "metrics", "show", "--json").stdout)
     assert find_key(shown, "overall") == pytest.approx(metrics["overall"])
 
     # Remotes: the default local one (dvc-storage/), then S3.
-    round_trip(repo, ("raw", "data", "train"))
+    round_trip(repo, ("data.raw_dir", "data.out_dir", "train.out_dir"))
     assert status(repo) == {}
     assert (repo / "dvc-storage" / "files" / "md5").is_dir()
     make_bucket("dvc")
     dvc(repo, "remote", "add", "s3", "s3://dvc/forgeline")
     dvc(repo, "remote", "modify", "s3", "endpointurl", s3_endpoint)
-    round_trip(repo, ("raw", "data", "train"), "-r", "s3")
+    round_trip(repo, ("data.raw_dir", "data.out_dir", "train.out_dir"), "-r", "s3")
     assert status(repo) == {}
 
     # The loss curve, one point per step.
     plots = json.loads(dvc(repo, "plots", "show", "--json").stdout)["data"]
-    assert plots["artifacts/eval/dimensions.png"][0]["type"] == "image"
-    [curve] = plots["artifacts/train/loss.csv"]
+    assert plots[f"{cfg.eval.out_dir}/dimensions.png"][0]["type"] == "image"
+    [curve] = plots[f"{cfg.train.out_dir}/loss.csv"]
     assert {int(point["step"]) for point in find_key(curve["content"], "values")} == set(range(1, 21))
 
-    # An experiment with more items changes the scores: eval reruns, register records them.
+    # An experiment with more items changes the scores: eval reruns, register records them (in the
+    # same run's directories: eval keys do not name the run).
     third = dvc(repo, "exp", "run", "-S", "configs/tiny.yaml:eval.dimensions.reasoning.limit=5")
     assert others(stages_run(third.stdout)) == ["eval", "register"]
     assert status(repo) == {}
     diff = json.loads(dvc(repo, "metrics", "diff", "--json").stdout)  # against the first run
-    changed = diff["artifacts/eval/metrics.json"]
+    changed = diff[f"{cfg.eval.out_dir}/metrics.json"]
     assert changed and all(entry["old"] != entry["new"] for entry in changed.values()), diff
 
 
@@ -208,6 +224,7 @@ def set_value(key: str, value: object):
             target = target.setdefault(name, {})
         target[last] = value
         path.write_text(yaml.safe_dump(config, sort_keys=False))
+        write_dvc_yaml(repo)  # `forgeline stages --write`: a key that names the run moves its directories
     return change
 
 
@@ -218,9 +235,9 @@ def touch_code(path: str):
     return change
 
 
-def edit_output(path: str):
+def edit_output(field: str, path: str):
     def change(repo: Path) -> None:
-        with open(repo / path, "a") as f:
+        with open(repo / params(repo).value(field) / path, "a") as f:
             f.write('{"source": "by hand", "name": "x", "text": "an edit"}\n')
     return change
 
@@ -232,7 +249,7 @@ CHANGES = [
     ("the register stage's config section", set_value("registry.promotion_margin", 0.01), ["register"]),
     ("the eval stage's config section, its scores unchanged", set_value("eval.during_training.limit", 2),
      ["eval"]),
-    ("the data stage's output, edited by hand", edit_output("artifacts/data/val_docs.jsonl"), ["data"]),
+    ("the data stage's output, edited by hand", edit_output("data.out_dir", "val_docs.jsonl"), ["data"]),
     # A module only imported helpers use (eval/lm.py), in no record: the hand-written lists missed
     # it in eval's and register's. Train resumes at its last step, its output unchanged.
     ("a module train, eval and register import", touch_code("model/inference.py"),

@@ -22,10 +22,12 @@ from tests.integration.test_dvc import (  # noqa: F401  (prefect_api: the module
     forgeline_runs,
     fresh_repo,
     others,
+    params,
     prefect_api,
     round_trip,
     stages_run,
     status,
+    write_dvc_yaml,
 )
 from tests.integration.test_init_from import SHAPE, save_tokenizer
 
@@ -56,27 +58,31 @@ def test_dvc_repro_trains_from_a_base_rewritten_in_place_and_not_again_from_an_u
     # As tests/integration/test_init_from.py trains from a base.
     config["train"] |= {"steps": 2, "document_masking": False, "val_every": 0, "warmup_steps": 0}
     (repo / "configs" / "tiny.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    write_dvc_yaml(repo)
     commit(repo, "a base")
+    cfg = params(repo)
     assert others(stages_run(dvc(repo, "repro", "train").stdout)) == ["data", "train"]
-    stamp = repo / "artifacts" / "train.base.json"
+    stamp = repo / f"{cfg.train.out_dir}.base.json"
     written = stamp.stat()
-    trained = json.loads((repo / "artifacts" / "train" / "train.json").read_text())
+    trained = json.loads((repo / cfg.train.out_dir / "train.json").read_text())
     assert trained["base"]["weights_sha256"] == json.loads(stamp.read_text())["weights_sha256"]
 
     assert others(stages_run(dvc(repo, "repro", "train").stdout)) == []
     assert (stamp.stat().st_ino, stamp.stat().st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
 
     save_weights(base, vocab_size, seed=1)
-    data = dvc_hash(repo / "artifacts" / "data")
+    data = dvc_hash(repo / cfg.data.out_dir)
     known: set[str] = set()
     forgeline_runs(repo, known)
     rerun = dvc(repo, "repro", "train")
     assert others(stages_run(rerun.stdout)) == ["data", "train"] == forgeline_runs(repo, known)
-    assert dvc_hash(repo / "artifacts" / "data") == data
-    retrained = json.loads((repo / "artifacts" / "train" / "train.json").read_text())
+    assert dvc_hash(repo / cfg.data.out_dir) == data
+    retrained = json.loads((repo / cfg.train.out_dir / "train.json").read_text())
     assert retrained["base"]["weights_sha256"] == json.loads(stamp.read_text())["weights_sha256"] \
         != trained["base"]["weights_sha256"]
     assert "started from the base" in rerun.stdout + rerun.stderr
+    # The checkpoints of the old weights are set aside, intact, not deleted (#41).
+    assert list((repo / cfg.train.out_dir / "checkpoints").glob("superseded-*/step-00000002/*"))
     assert status(repo, "data", "train") == {}
 
 
@@ -91,8 +97,9 @@ def test_dvc_repro_of_the_data_stage_rebuilds_only_for_changed_raw_inputs_and_by
     (repo / "notes").mkdir()
     for number in range(3):
         (repo / "notes" / f"{number}.txt").write_text(" ".join(f"note{number}-word{i}" for i in range(300)))
+    write_dvc_yaml(repo)
     commit(repo, "a files source")
-    raw, out = repo / "artifacts" / "raw", repo / "artifacts" / "data"
+    raw, out = repo / params(repo).data.raw_dir, repo / params(repo).data.out_dir
     assert others(stages_run(dvc(repo, "repro", "data").stdout)) == ["data"]
     assert status(repo, "data") == {}
 
@@ -113,7 +120,7 @@ def test_dvc_repro_of_the_data_stage_rebuilds_only_for_changed_raw_inputs_and_by
     assert status(repo, "data") == {}
 
     # The snapshot goes to the remote and comes back with the data.
-    round_trip(repo, ("raw", "data"), "sources", "data")
+    round_trip(repo, ("data.raw_dir", "data.out_dir"), "sources", "data")
     assert status(repo, "data") == {}
 
     def digests() -> dict[str, str]:

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from forgeline.configs import load_config
 from forgeline.model.checkpoint.manager import (
     GENERATION_NAME,
     committed_checkpoints,
@@ -72,14 +73,13 @@ def test_a_launcher_killed_outright_takes_its_ranks_and_only_the_retry_writes(da
     """kill -9 of torchrun 'as a scheduler would', mid-run on pp2 x dp2: its four ranks die with
     it (none trains on beside the retry), Prefect's retry resumes, and every checkpoint left
     was committed by the retry's generation."""
+    settings = [f"data.out_dir={data_root / 'data'}", "parallel.pp=2", "parallel.dp_shard=2",
+                "train.steps=120", "train.max_restarts=0", "train.job_retries=1", "train.peak_tflops=1"]
     cmd = [str(VENV_BIN / "forgeline"), "stage", "train", "--config", "debug.yaml",
-           "--set", f"data.out_dir={data_root / 'data'}", "--set", "parallel.pp=2",
-           "--set", "parallel.dp_shard=2",
-           "--set", "train.steps=120", "--set", "train.max_restarts=0", "--set", "train.job_retries=1",
-           "--set", "train.peak_tflops=1"]
+           *[arg for setting in settings for arg in ("--set", setting)]]
     stage = subprocess.Popen(cmd, cwd=tmp_path, env=user_env(tmp_path), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-    checkpoints = tmp_path / "artifacts" / "train" / "checkpoints"
+    checkpoints = tmp_path / load_config("debug.yaml", settings).train.out_dir / "checkpoints"
     deadline = time.monotonic() + 600
     while not (checkpoints / "step-00000010").is_dir() and time.monotonic() < deadline:
         assert stage.poll() is None, stage.stdout.read()[-4000:]

@@ -1,5 +1,6 @@
 """The whole pipeline on the debug config through `forgeline run`: a real Prefect temporary
-API, torchrun, lm-eval and an MLflow sqlite store, checked the way a user would check them."""
+API, torchrun, lm-eval and an MLflow sqlite store, checked the way a user would check them; then
+a run of another recipe beside it (#41), and the first command again, all cache hits."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
+from forgeline.configs import load_config
 from forgeline.model.fileio import sha256_file
 from forgeline.model.training.shards import read_manifest, split_shards
 from forgeline.tasks.runner import STAGE_TAG
@@ -41,7 +43,11 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     assert "INFO forgeline.model.training.metrics: [rank0] " in (logs / "train.log").read_text()
 
     # Data: shards and manifest, every checksum verifying.
-    data_dir = tmp_path / "artifacts" / "data"
+    cfg = load_config("debug.yaml")
+    data_dir, train_dir = tmp_path / cfg.data.out_dir, tmp_path / cfg.train.out_dir
+    eval_dir, register_dir = tmp_path / cfg.eval.out_dir, tmp_path / cfg.registry.out_dir
+    run_dir = tmp_path / "artifacts" / cfg.run.name  # the run's directory (#41)
+    assert {train_dir.parent, eval_dir.parent, register_dir.parent} == {run_dir}
     manifest = read_manifest(data_dir)
     for split in ("train", "val"):
         for shard in split_shards(data_dir, manifest, split):
@@ -105,7 +111,7 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     assert float(detectable.group(1)) == pytest.approx(eval_metrics["detectable/overall"], abs=1e-3)
     assert by_name["data"].data.metrics["train_samples"] == manifest["splits"]["train"]["samples"]
     # ... built from the raw snapshot its run records.
-    assert by_name["data"].data.tags["forgeline.data.raw_dvc_md5"] == dvc_hash(tmp_path / "artifacts" / "raw")
+    assert by_name["data"].data.tags["forgeline.data.raw_dvc_md5"] == dvc_hash(tmp_path / cfg.data.raw_dir)
     assert "data/sources.json" in {a.path for a in client.list_artifacts(by_name["data"].info.run_id, "data")}
 
     # Registry: version 1 with lineage and scores, alias `candidate`, and it generates text.
@@ -123,10 +129,10 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
 
     # Eval and register outputs on disk, and the chart among the eval run's artifacts.
     for name in ("metrics.json", "report.json", "lm_eval_results.json", "items.json", "dimensions.png"):
-        assert (tmp_path / "artifacts" / "eval" / name).is_file()
+        assert (eval_dir / name).is_file()
     artifacts = {a.path for a in client.list_artifacts(by_name["eval"].info.run_id, "eval")}
     assert "eval/dimensions.png" in artifacts
-    assert (tmp_path / "artifacts" / "register" / "registered.json").is_file()
+    assert (register_dir / "registered.json").is_file()
 
     # Prefect: the pipeline flow run completed with its four stage tasks.
     [flow_run] = prefect_flow_runs(tmp_path)
@@ -137,7 +143,22 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     assert ["data-clean-0", "COMPLETED"] in flow_run["partition_work"]
     assert {state for _, state in flow_run["partition_work"]} == {"COMPLETED"}
 
-    # A second run with nothing changed skips every stage and registers no new version.
+    # Another recipe (#41): another run, in a directory of its own, on the same data (a cache hit);
+    # it registers a version in the same model line. The first run's checkpoints stay as they were.
+    trained = dvc_hash(train_dir)
+    other = run([str(VENV_BIN / "forgeline"), "run", "--config", "debug.yaml", "--set", "train.steps=10"],
+                tmp_path)
+    other_id = re.search(r"MLflow run: (\w+)", other.stdout).group(1)
+    other_runs = client.search_runs([parent.info.experiment_id],
+                                    filter_string=f"tags.mlflow.parentRunId = '{other_id}'")
+    assert {c.data.tags[STAGE_TAG]: c.data.tags["forgeline.cache"] for c in other_runs} == \
+        {"data": "hit", "train": "miss", "eval": "miss", "register": "miss"}
+    other_dir = tmp_path / load_config("debug.yaml", ["train.steps=10"]).train.out_dir
+    assert other_dir != train_dir and (other_dir / "checkpoints" / "step-00000010").is_dir()
+    assert "Registered model: forgeline-debug version 2" in other.stdout
+    assert dvc_hash(train_dir) == trained
+
+    # The first command again: every stage skipped, no new version.
     again = run([str(VENV_BIN / "forgeline"), "run", "--config", "debug.yaml"], tmp_path)
     second_id = re.search(r"MLflow run: (\w+)", again.stdout).group(1)
     assert "Registered model: forgeline-debug version 1" in again.stdout

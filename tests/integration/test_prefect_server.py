@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from forgeline.configs import load_config
 from tests.integration.helpers import VENV_BIN, run
 
 pytestmark = pytest.mark.integration
@@ -34,4 +35,4 @@ def test_stage_runs_against_the_server_in_prefect_api_url(tmp_path: Path, prefec
     assert len(names) - len(partition_work) == 1  # the stage's own task run
     assert {"data-clean-0", "data-exact-dedup-0", "data-near-dedup-0", "data-tokenize-train-0",
             "data-shards-train-0"} <= set(names), names
-    assert (workdir / "artifacts" / "data" / "manifest.json").is_file()
+    assert (workdir / load_config("debug.yaml").data.out_dir / "manifest.json").is_file()

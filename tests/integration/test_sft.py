@@ -76,7 +76,7 @@ def test_forgeline_run_fine_tunes_a_base_on_conversations_and_registers_the_assi
     done = run([forgeline, "run", "--config", str(config)], tmp_path, timeout=1800)
     run_id = re.search(r"MLflow run: (\w+)", done.stdout).group(1)
     assert "Registered model: forgeline-sft version 1" in done.stdout
-    manifest = read_manifest(tmp_path / "artifacts" / "data")
+    manifest = read_manifest(tmp_path / load_config(config).data.out_dir)
     assert manifest["loss_masks"] is True
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

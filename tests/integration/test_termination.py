@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from forgeline.configs import load_config
 from forgeline.model.checkpoint.manager import committed_checkpoints
 from tests.conftest import REPO_ROOT
 from tests.integration.helpers import VENV_BIN, user_env
@@ -75,7 +76,7 @@ def test_sigterm_stops_every_process_of_the_run_and_the_rerun_resumes(tmp_path: 
             cli.kill()
         stop(carrying(RUN_ENV, run))  # old code: the server it left behind
 
-    checkpoints = tmp_path / "artifacts" / "train" / "checkpoints"
+    checkpoints = tmp_path / load_config("debug.yaml", TRAIN).train.out_dir / "checkpoints"
     assert [info.step for info in committed_checkpoints(checkpoints)] == [6]
     rerun = subprocess.run(forgeline_run(), cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=900)

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from forgeline.configs import load_config
 from forgeline.model.spool import unsent
 from forgeline.tasks.runner import STAGE_TAG
 from tests.conftest import REPO_ROOT
@@ -122,7 +123,8 @@ def test_server_that_never_comes_back_costs_nothing_and_sync_sends_it_all(data_r
     assert stage.returncode == 0, "".join(seen)[-3000:] + output[-6000:]
     spool = tmp_path / "artifacts" / "tracking-spool"
     pending = sum(unsent(spool).values())
-    assert pending > 0 and (tmp_path / "artifacts" / "train" / "train.json").is_file()
+    train_dir = load_config("debug.yaml", [f"train.steps={STEPS}"]).train.out_dir  # the run's directory
+    assert pending > 0 and (tmp_path / train_dir / "train.json").is_file()
 
     with mlflow_server(server_root, port):
         synced = run([str(VENV_BIN / "forgeline"), "sync"], tmp_path)
