@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 Message = dict[str, str]
 TrainOn = Literal["all_assistant", "last_assistant"]  # sft.train_on
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # as transformers finds the markers
+# Llama 3.1+ templates write today's date into the system header (strftime_now) unless given
+# `date_string`: a fixed one keeps the rendering the same whatever the day of the build.
+TEMPLATE_VALUES = {"date_string": "26 Jul 2024"}
 
 
 class ChatTemplateError(ValueError):
@@ -238,7 +241,7 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, template: str, messages:
 
         [text], [spans] = render_jinja_template(conversations=[messages], chat_template=template,
                                                 return_assistant_tokens_mask=True,
-                                                **tokenizer.special_tokens_map)
+                                                **tokenizer.special_tokens_map, **TEMPLATE_VALUES)
         if train_on == "last_assistant":  # the spans after the turns before the last reply
             before = _render_text(tokenizer, template, messages[:assistants[-1]])
             spans = ([span for span in spans if span[0] >= len(before)] if text.startswith(before)
@@ -346,7 +349,7 @@ def _render_text(tokenizer: PreTrainedTokenizerBase, chat_template: str, message
                  add_generation_prompt: bool = False) -> str:
     try:
         return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt, **TEMPLATE_VALUES)
     except TemplateError as err:  # raise_exception() in a template: a role or order it rejects
         roles = [message["role"] for message in messages]
         raise ChatTemplateError(f"the chat template rejects a conversation of roles {roles}: {err}") from None

@@ -293,3 +293,11 @@ def test_sft_train_on_is_part_of_the_data_stages_cache_key(tmp_path) -> None:
     last = cfg.with_values({"sft.train_on": "last_assistant"})
     assert files_named_by_path(cfg) == {"sft.train_on": "all_assistant"}
     assert files_named_by_path(last) == {"sft.train_on": "last_assistant"}
+
+
+def test_a_template_that_writes_todays_date_renders_the_same_every_day() -> None:
+    """Llama 3.1+'s system header holds strftime_now's date unless given date_string."""
+    tokenizer = family_tokenizer("llama3")
+    dated = ("{%- if not date_string is defined %}{%- set date_string = strftime_now('%d %b %Y') %}"
+             "{%- endif %}{{- 'Today Date: ' + date_string + '\\n' }}" + LLAMA3)
+    assert render(tokenizer, CHAT, chat_template=dated).text.startswith("Today Date: 26 Jul 2024\n")
