@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from forgeline.configs import ConfigError, load_config, shipped_configs
+from forgeline.configs import Config, ConfigError, load_config, shipped_configs
 from forgeline.flows.cli import main
 from forgeline.model.checkpoint.manager import MANIFEST_NAME, committed_checkpoints
 from forgeline.tasks.dvc_yaml import check_dvc_outputs, render_dvc_yaml
@@ -45,6 +45,16 @@ def test_a_run_is_named_by_its_config_and_what_its_checkpoints_are_computed_from
     own = load_config(mine)
     assert own.run.name.startswith("mine-") and own.data.out_dir != tiny.data.out_dir
     assert own.data.raw_dir != tiny.data.raw_dir and own.registry.model_name == "forgeline-mine"
+    # fine-tuning.md's my-sft.yaml: never the shipped example's directories.
+    my_sft = tmp_path / "my-sft.yaml"
+    my_sft.write_text("inherit: smollm2-sft.yaml\ndata:\n  sources: [{kind: files, path: chats/*.jsonl, "
+                      "format: messages}]\nsft:\n  lora: {rank: 16, alpha: 32}\n")
+    shipped, mine_sft = load_config("smollm2-sft.yaml"), load_config(my_sft)
+    assert mine_sft.train.out_dir.startswith("artifacts/my-sft-")
+    def directories(cfg: Config) -> set[str]:
+        return {cfg.train.out_dir, cfg.eval.out_dir, cfg.registry.out_dir, cfg.data.out_dir}
+
+    assert directories(mine_sft).isdisjoint(directories(shipped))
     # The same model in one process: its own directory all the same (another config file).
     assert load_config("tiny-single.yaml").train.out_dir != tiny.train.out_dir
     # run.name names the directory, whatever else changes; a directory given stays as given.
