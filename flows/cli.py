@@ -534,7 +534,9 @@ def run_flow(flow: Callable, parameters: dict[str, object], stages: tuple[Stage,
             logging.getLogger(__name__).info("%s", line)
     started = time.time()
     try:
-        return flow(**parameters)
+        # The parameters hold the config this command resolved and checked (a Config), where a
+        # deployment's run form takes a path or a shipped name (the flows' `config: str`).
+        return flow.with_options(validate_parameters=False)(**parameters)
     except Exception as err:
         record = orchestrator.unreported_record(started)
         if record is not None:

@@ -25,10 +25,10 @@ PREFECT_HEADER = """\
 # Prefect deployments of forgeline. `forgeline deploy` registers them all (it creates the work
 # pool first and fills the two variables below); `prefect worker start --pool forgeline` runs them.
 #
-#   forgeline-pipeline/scheduled   the whole pipeline, nightly, at most one flow run at a time;
-#                                  stages whose inputs did not change are skipped (stage caching)
-#   forgeline-<stage>/manual       one stage by hand, e.g.
-#       prefect deployment run forgeline-eval/manual -p upstream_run=<MLflow run id> \\
+#   forgeline-pipeline/scheduled   the whole pipeline, nightly at 03:00 UTC, at most one flow run
+#                                  at a time; stages whose inputs did not change end Cached
+#   forgeline-STAGE/rerun-STAGE    one stage by hand, e.g.
+#       prefect deployment run forgeline-eval/rerun-eval -p upstream_run=MLFLOW_RUN_ID \\
 #           --param overrides='["eval.out_dir=artifacts/eval-rerun"]'
 #
 # FORGELINE_WORKDIR: the directory flow runs start in (relative output paths and the default
@@ -39,24 +39,30 @@ PREFECT_HEADER = """\
 PREFECT_VERSION = "3.9.1"  # the release this file's format was written for
 WORK_POOL = {"name": "{{ $FORGELINE_WORK_POOL }}"}
 DEFAULT_CONFIG = "tiny.yaml"
+SCHEDULE = {"cron": "0 3 * * *", "timezone": "UTC"}
 
 
 def stage_deployment(stage: Stage) -> dict:
+    """`forgeline-STAGE/rerun-STAGE`: named by its stage, so that the deployments list tells them
+    apart (they were all `manual`)."""
     reads = ", optionally on the outputs of an earlier run (upstream_run)" if stage.reads else ""
     parameters = {"config": DEFAULT_CONFIG, "overrides": [], "upstream_run": None, "force": False}
     if stage.snapshot is not None:
         parameters["from_snapshot"] = False
-    return {"name": "manual", "description": f"Rerun the {stage.name} stage{reads}: {stage.summary}.",
+    return {"name": f"rerun-{stage.name}",
+            "description": f"Rerun the {stage.name} stage{reads}: {stage.summary}.",
             "entrypoint": f"forgeline.flows.stage_flows:{stage.name}_flow", "parameters": parameters,
             "work_pool": dict(WORK_POOL)}
 
 
 def render_prefect_yaml() -> str:
     pipeline = {"name": "scheduled",
-                "description": f"{chain()} (sft: a config that fine-tunes) on a schedule; one run at a time.",
+                "description": f"{chain()} (sft: a config that fine-tunes) nightly at 03:00 UTC (cron "
+                               f"{SCHEDULE['cron']}, time zone {SCHEDULE['timezone']}); one run at a time; "
+                               "stages whose inputs did not change end Cached.",
                 "entrypoint": "forgeline.flows.pipeline:pipeline_flow",
                 "parameters": {"config": DEFAULT_CONFIG, "overrides": [], "force": False},
-                "schedules": [{"cron": "0 3 * * *", "timezone": "UTC"}],
+                "schedules": [dict(SCHEDULE)],
                 "concurrency_limit": 1,
                 "work_pool": dict(WORK_POOL)}
     body = {"name": "forgeline",

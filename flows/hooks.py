@@ -5,17 +5,20 @@ config."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import httpx
 from prefect import Flow
 from prefect.blocks.core import Block
+from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
 from forgeline.configs import Config, ConfigError, load_config
 from forgeline.configs.redaction import install_log_scrubber, scrub
+from forgeline.tasks.tracking import config_label, git_info, layout_label
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +27,32 @@ def flow_config(config: Config | dict[str, Any] | str | None, overrides: list[st
     """A flow's `config` parameter as a Config: a path or shipped name read with `overrides`
     (deployments, the default), or a config resolved by the caller (the CLI, which has read and
     checked it before starting Prefect; Prefect stores it as a dict)."""
+    forgeline_logs_to_prefect()
     install_log_scrubber()  # Prefect's handlers exist now; our code logs nothing in this run before it
     if isinstance(config, Config | dict):
         if overrides:
             raise ConfigError("overrides go with a config path; apply them to a resolved config before")
         return Config.model_validate(config)
     return load_config(config, overrides or [])
+
+
+FORGELINE_LOGGER = "forgeline"
+
+
+def forgeline_logs_to_prefect() -> None:
+    """forgeline's records, INFO and above, to the flow run's logs in Prefect (its API handler),
+    whoever started the process: the CLI, or a worker (`python -m prefect.engine`). Called as a
+    flow run starts, not left to PREFECT_LOGGING_EXTRA_LOGGERS, which misses a worker's flow run
+    twice: Prefect reads the variable once, when its first import configures logging -- in a
+    worker's process that is before any forgeline code runs -- and a logger it lists keeps the
+    root's level, which Prefect's logging.yml sets to WARNING (only the CLI sets INFO). A level
+    set on the `forgeline` logger already (a logging config of the user's) is kept. Idempotent."""
+    logger = logging.getLogger(FORGELINE_LOGGER)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    for handler in logging.getLogger("prefect.extra").handlers:  # Prefect's API handler, as its config has it
+        if handler not in logger.handlers:
+            logger.addHandler(handler)
 
 
 def prefect_tags() -> dict[str, str]:
@@ -40,6 +63,35 @@ def prefect_tags() -> dict[str, str]:
     if flow_run.parent_deployment_id:
         tags["prefect.deployment_id"] = str(flow_run.parent_deployment_id)
     return tags
+
+
+def run_labels(cfg: Config, stages: Iterable[str], with_layout: bool) -> list[str]:
+    """Prefect tags that tell runs apart in its lists and filters: `stage:train`, `config:tiny`
+    (the config's label, as in the MLflow run names), `model:forgeline-tiny`, `layout:pp2xdp2`
+    (with_layout: for runs that train), `commit:1a2b3c4` (`-dirty` with uncommitted changes)."""
+    code = git_info()
+    commit = code["git.commit"][:7] + ("-dirty" if code["git.dirty"] == "true" else "")
+    tags = [*(f"stage:{stage}" for stage in stages), f"config:{config_label(cfg)}",
+            f"model:{cfg.registry.model_name}"]
+    if with_layout:
+        tags.append(f"layout:{layout_label(cfg)}")
+    return [*tags, f"commit:{commit}"]
+
+
+def label_flow_run(name: str, tags: list[str], mlflow_run_id: str) -> None:
+    """The running flow run renamed `name` (its MLflow run's name, `pipeline tiny dp1 @1a2b3c4`, in
+    place of Prefect's random one) and given `tags` and `mlflow:<run id>`, beside the tags it has
+    (a deployment's). An API that does not take it costs a warning, not the run."""
+    from forgeline.flows.orchestrator import API_ERRORS
+
+    wanted = [*tags, f"mlflow:{mlflow_run_id}"]
+    try:
+        with get_client(sync_client=True) as client:
+            added = [tag for tag in wanted if tag not in flow_run.tags]
+            client.update_flow_run(flow_run.id, name=name, tags=[*flow_run.tags, *added])
+    except API_ERRORS as err:
+        log.warning("flow run %s keeps its name and tags: the Prefect API did not take %r (%s: %s)",
+                    flow_run.name, name, type(err).__name__, err)
 
 
 def notify_failure(flow: Flow, run: FlowRun, state: State) -> None:

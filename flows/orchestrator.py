@@ -41,6 +41,7 @@ from forgeline.tasks.tracking import ServerUnreachable
 log = logging.getLogger(__name__)
 
 PENDING_DIR = Path(".forgeline") / "pending"
+CACHED = "Cached"  # the name of a Completed state whose stage the stage cache skipped
 # What the Prefect client raises when its API cannot be reached or fails: a transport error
 # (refused, reset, timed out) or an HTTP error status (PrefectHTTPStatusError is a subclass).
 API_ERRORS = (httpx.HTTPError,)
@@ -107,6 +108,7 @@ class FinalStates:
 
     def __init__(self) -> None:
         self.task_runs: list[dict[str, str]] = []
+        self.cached: list[str] = []  # the tasks that ended Cached: their stage was skipped
         self.message = ""
 
     def run(self, task: Task, *args: Any) -> Any:
@@ -114,7 +116,15 @@ class FinalStates:
         state = task(*args, return_state=True)
         self.task_runs.append({"id": str(state.state_details.task_run_id), "name": task.name,
                                "state": state.type.value})
+        if state.name == CACHED:
+            self.cached.append(task.name)
         return state.result()
+
+    def summary(self) -> str:
+        """Which stages ran and which were skipped as cached: `ran eval, register; cached data, train`."""
+        ran = [run["name"] for run in self.task_runs if run["name"] not in self.cached]
+        parts = (("ran", ran), ("cached", self.cached))
+        return "; ".join(f"{what} {', '.join(names)}" for what, names in parts if names)
 
 
 @contextmanager

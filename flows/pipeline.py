@@ -7,16 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prefect import flow
+from prefect.states import Completed
 
-from forgeline.configs import Config
 from forgeline.configs.environment import apply_environment_defaults
 from forgeline.configs.redaction import credentials_masked_in_errors
-from forgeline.flows.hooks import flow_config, notify_failure, prefect_tags
+from forgeline.flows.hooks import flow_config, label_flow_run, notify_failure, prefect_tags, run_labels
 from forgeline.flows.orchestrator import final_states_recorded, forget_reported_states
 from forgeline.flows.stage_flows import configured_task
 from forgeline.tasks.reproduce import REPRODUCES_TAG, reproduced_stages
 from forgeline.tasks.stage import pipeline_stages
-from forgeline.tasks.tracking import run_name, tracked_run
+from forgeline.tasks.tracking import run_link, run_name, tracked_run
 
 
 @dataclass(frozen=True)
@@ -35,26 +35,41 @@ class PipelineResult:
 
 @flow(name="forgeline-pipeline", on_completion=[forget_reported_states],
       on_failure=[forget_reported_states, notify_failure])
-def pipeline_flow(config: Config | str | None = None, overrides: list[str] | None = None,
+def pipeline_flow(config: str | None = None, overrides: list[str] | None = None,
                   force: bool = False) -> PipelineResult:
-    """Corpus to a registered, evaluated model. `config`: a YAML path or shipped name
-    (default tiny.yaml), or a resolved Config; `overrides`: `section.key=value` strings for a
-    path; `force`: rerun every stage even where its inputs are unchanged and its outputs
-    verify."""
+    """Corpus to a registered, evaluated model: every stage of the config's pipeline under one
+    MLflow parent run. The CLI passes the config it resolved and checked, a Config, with
+    Prefect's parameter validation off (flows/cli.py run_flow).
+
+    Args:
+        config: a run config: a YAML path, relative to the deployment's working directory, or the
+            name of a shipped one (tiny.yaml, debug.yaml, smollm2-sft.yaml ...). `forgeline config
+            show --docs` lists its fields. Default: tiny.yaml.
+        overrides: config values to change, one `section.key=value` each, applied after the file:
+            e.g. train.steps=50, parallel.dp_shard=2, eval.out_dir=artifacts/eval-rerun (a JSON list).
+        force: run every stage even where the stage cache would skip it (inputs -- config section,
+            upstream outputs, code -- unchanged and outputs verified). Off: such a stage ends Cached.
+    """
     apply_environment_defaults()
     cfg = flow_config(config, overrides)
+    stages = pipeline_stages(cfg)
+    name = run_name("pipeline", cfg, with_layout=True)
     with (credentials_masked_in_errors(), final_states_recorded() as states,
-          tracked_run(cfg, run_name("pipeline", cfg, with_layout=True), tags=prefect_tags()) as parent):
+          tracked_run(cfg, name, tags=prefect_tags()) as parent):
+        label_flow_run(name, ["pipeline", *run_labels(cfg, [stage.name for stage in stages], True)],
+                       parent.run_id)
         results = {stage.name: states.run(configured_task(stage, cfg), cfg, parent.run_id, force)
-                   for stage in pipeline_stages(cfg)}
-        states.message = f"MLflow run {parent.run_id}"
+                   for stage in stages}
+        states.message = f"{states.summary()}; MLflow run {parent.run_id}: {run_link(cfg, parent.run_id)}"
     registered, evaluation = results["register"], results["eval"]
-    return PipelineResult(run_id=parent.run_id, model_name=registered.model_name,
-                          model_version=registered.version, promotion=registered.promotion,
-                          overall=evaluation.overall, dimensions=evaluation.dimensions,
-                          stderrs=evaluation.stderrs,
-                          base_overall=evaluation.base_overall, base_dimensions=evaluation.base_dimensions,
-                          detectable=evaluation.detectable)
+    result = PipelineResult(run_id=parent.run_id, model_name=registered.model_name,
+                            model_version=registered.version, promotion=registered.promotion,
+                            overall=evaluation.overall, dimensions=evaluation.dimensions,
+                            stderrs=evaluation.stderrs,
+                            base_overall=evaluation.base_overall, base_dimensions=evaluation.base_dimensions,
+                            detectable=evaluation.detectable)
+    # The flow run ends Completed with the summary as its message; the caller gets the result.
+    return Completed(message=f"{states.message}; {registered.promotion}", data=result)
 
 
 @flow(name="forgeline-reproduce", on_completion=[forget_reported_states],

@@ -5,16 +5,18 @@ cache allows, with what the stage records. Plain Python: the Prefect tasks of fl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mlflow import MlflowClient
 
 from forgeline.configs import Config
-from forgeline.tasks.cache import out_dir_tag, outputs_tag, run_cached
+from forgeline.tasks.cache import CACHE_SOURCE_TAG, CACHE_TAG, out_dir_tag, outputs_tag, run_cached
 from forgeline.tasks.stage import Stage, check_in_pipeline, producer, resolve
 from forgeline.tasks.stage_log import stage_log
 from forgeline.tasks.tracking import (
+    RunTracker,
     check_tracking_server,
     dvc_hash,
     resolve_tracking_uri,
@@ -87,8 +89,41 @@ def reads_layout(stage: Stage) -> bool:
     return "parallel" in stage.sections
 
 
+@dataclass(frozen=True)
+class StageRun:
+    """What one run of a stage came to: its result, its MLflow run, and the stage cache's decision."""
+
+    result: Any
+    run_id: str
+    reused: str | None = None
+    """The MLflow run whose result it reused, when the cache skipped the stage's function."""
+    reason: str = ""
+    """Why the function ran, when it did (the cache's reason, `--force`)."""
+
+
+class DecisionNoted:
+    """A RunTracker that keeps the tags set through it: the stage cache's decision, as it tags it."""
+
+    def __init__(self, run: RunTracker) -> None:
+        self.run = run
+        self.tags: dict[str, Any] = {}
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        self.tags |= tags
+        self.run.set_tags(tags)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.run, name)
+
+
 def run_stage(stage: Stage, cfg: Config, parent_run_id: str | None = None, force: bool = False,
               run_key: str | None = None, from_snapshot: bool = False) -> Any:
+    """`tracked_stage`'s result."""
+    return tracked_stage(stage, cfg, parent_run_id, force, run_key, from_snapshot).result
+
+
+def tracked_stage(stage: Stage, cfg: Config, parent_run_id: str | None = None, force: bool = False,
+                  run_key: str | None = None, from_snapshot: bool = False) -> StageRun:
     """Run `stage` as an MLflow run: its checks, the snapshot it builds from (taken on every run,
     like dvc.yaml's always-changed snapshot stage; with `from_snapshot` the one there is used),
     then its function unless the stage cache allows a skip, then what it records; all it logs goes
@@ -108,7 +143,10 @@ def run_stage(stage: Stage, cfg: Config, parent_run_id: str | None = None, force
                         if k.split(".")[0] in stage.sections or k in stage.params})
         if stage.snapshot is not None and not from_snapshot:
             resolve(stage.snapshot.take)(cfg)
-        result = run_cached(stage, cfg, run, parent, resolve(stage.result_type),
+        noted = DecisionNoted(run)
+        result = run_cached(stage, cfg, noted, parent, resolve(stage.result_type),
                             lambda: function(cfg, run, parent), force)
         resolve(stage.record)(cfg, run, parent, result)
-    return result
+    hit = noted.tags.get(CACHE_TAG) == "hit"
+    return StageRun(result, run.run_id, noted.tags.get(CACHE_SOURCE_TAG) if hit else None,
+                    "" if hit else str(noted.tags.get(f"{CACHE_TAG}.reason", "")))

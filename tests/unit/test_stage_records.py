@@ -75,8 +75,8 @@ def test_flows_cli_and_deployments_follow_the_records() -> None:
     from forgeline.flows import stage_flows
 
     deployments = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["deployments"]
-    entrypoints = {d["entrypoint"] for d in deployments if d["name"] == "manual"}
-    assert entrypoints == {f"forgeline.flows.stage_flows:{name}_flow" for name in STAGE_NAMES}
+    by_stage = {d["name"]: d["entrypoint"] for d in deployments if d["name"] != "scheduled"}
+    assert by_stage == {f"rerun-{name}": f"forgeline.flows.stage_flows:{name}_flow" for name in STAGE_NAMES}
     for name in STAGE_NAMES:
         assert getattr(stage_flows, f"{name}_flow").name == f"forgeline-{name}"
         assert stage_flows.STAGE_TASKS[name].name == name
