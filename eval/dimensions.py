@@ -112,6 +112,12 @@ def is_chat_task(task: str) -> bool:
     return dimension_of(task) in CHAT_DIMENSIONS
 
 
+def fewshot_counts(tasks: list[str], dimension_shots: dict[str, int]) -> dict[str, int]:
+    """The few-shot count the eval stage asks each of `tasks` with: its dimension's (0 for a
+    dimension `dimension_shots` does not name, or a task of none)."""
+    return {task: dimension_shots.get(dimension_of(task) or "", 0) for task in tasks}
+
+
 def dimension_of(task: str) -> str | None:
     """The dimension of `task` (forgeline's name or its hub task's); None for a task of none."""
     for name, scores in DIMENSION_TASKS.items():

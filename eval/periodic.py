@@ -3,13 +3,16 @@ that step -- the in-training evaluation, run as its own process by the trainer (
 ranks never wait for it:
 
     python -m forgeline.eval.periodic --checkpoint DIR --data-dir DIR --tasks T [T ...]
-        --limit N --run-id ID --step S
+        --dimension-shots D=K [D=K ...] --limit N --run-id ID --step S
 
 Every score comes with its standard error, computed from each item's value as the eval stage
 computes it (eval/scores.py `item_stderr`: closed form for a mean, a seeded bootstrap over the
 items for another aggregation), and named as the eval stage names it on the pipeline's run:
-`eval/<task>/<metric>` beside `eval/stderr/<task>/<metric>`. As in the eval stage, the tasks of
-instruction following are asked through the tokenizer's chat template where it has one.
+`eval/<task>/<metric>` beside `eval/stderr/<task>/<metric>`. A task is asked as the eval stage
+asks it (eval/suite.py `evaluate_tasks`): with its dimension's few-shot count (the trainer passes
+eval.dimensions' as --dimension-shots) and the same seeds, and through the tokenizer's chat template where its
+dimension is an assistant's; only the number of items (`--limit`) is the in-training evaluation's
+own. At the same limit, its scores at the last step are the eval stage's.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ if TYPE_CHECKING:  # lm-eval is imported once main() has applied the environment
 log = logging.getLogger("forgeline.eval.periodic")
 
 
-def evaluate_checkpoint(checkpoint: Path, data_dir: Path, tasks: list[str], limit: int | None,
-                        batch_size: int) -> dict[str, float]:
+def evaluate_checkpoint(checkpoint: Path, data_dir: Path, tasks: list[str], num_fewshot: dict[str, int],
+                        limit: int | None, batch_size: int) -> dict[str, float]:
     """`score_tasks` on `checkpoint`."""
     # Imported here, after main() applied the environment defaults lm-eval and datasets read.
     from forgeline.eval.lm import ForgelineLM
@@ -45,18 +48,19 @@ def evaluate_checkpoint(checkpoint: Path, data_dir: Path, tasks: list[str], limi
         task_manager = suite_task_manager(render_suite(Path(scratch), data_dir))
         lm = ForgelineLM(checkpoint=str(checkpoint), tokenizer=str(data_dir / "tokenizer"),
                          batch_size=batch_size)
-        return score_tasks(lm, tasks, limit, task_manager)
+        return score_tasks(lm, tasks, num_fewshot, limit, task_manager)
 
 
-def score_tasks(lm: LM, tasks: list[str], limit: int | None, task_manager: TaskManager) -> dict[str, float]:
-    """`task/metric` -> value for `tasks` on `lm`, named as the eval stage names them, and
-    `stderr/task/metric` -> its standard error (of every metric of a task that logged two items
-    or more)."""
-    import lm_eval
+def score_tasks(lm: LM, tasks: list[str], num_fewshot: dict[str, int], limit: int | None,
+                task_manager: TaskManager) -> dict[str, float]:
+    """`task/metric` -> value for `tasks` on `lm` (each with its `num_fewshot`, 0 if absent),
+    named as the eval stage names them, and `stderr/task/metric` -> its standard error (of every
+    metric of a task that logged two items or more)."""
     from lm_eval.tasks import get_task_dict
 
     from forgeline.eval.dimensions import is_chat_task
     from forgeline.eval.scores import flatten_scores, item_stderrs
+    from forgeline.eval.suite import evaluate_tasks
 
     def leaves(tree: dict) -> Iterator[Task]:  # a group's tasks
         for node in tree.values():
@@ -66,12 +70,15 @@ def score_tasks(lm: LM, tasks: list[str], limit: int | None, task_manager: TaskM
     aggregations = {task.config.task: task.aggregation() for task in leaves(task_dict)}
     assistant = bool(lm.chat_template(True))
     results: dict[str, dict] = {"results": {}, "samples": {}}
-    for chat in (False, True):
-        if group := [task for task in tasks if (assistant and is_chat_task(task)) == chat]:
-            done = lm_eval.simple_evaluate(model=lm, tasks=group, limit=limit, task_manager=task_manager,
-                                           log_samples=True, bootstrap_iters=0, apply_chat_template=chat)
-            results["results"] |= done["results"]
-            results["samples"] |= done["samples"]
+
+    def asked(task: str) -> tuple[int, bool]:  # its shots, and whether through the chat template
+        return num_fewshot.get(task, 0), assistant and is_chat_task(task)
+
+    for shots, chat in sorted({asked(task) for task in tasks}):
+        group = [task for task in tasks if asked(task) == (shots, chat)]
+        done = evaluate_tasks(lm, group, num_fewshot=shots, limit=limit, chat=chat, task_manager=task_manager)
+        results["results"] |= done["results"]
+        results["samples"] |= done["samples"]
     scores = flatten_scores(results["results"])
     stderrs = item_stderrs(results["samples"], aggregations)
     return scores | {f"stderr/{name}": se for name, se in stderrs.items() if name in scores}
@@ -83,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint", required=True, type=Path)
     parser.add_argument("--data-dir", required=True, type=Path)
     parser.add_argument("--tasks", required=True, nargs="+")
+    parser.add_argument("--dimension-shots", nargs="*", default=[], metavar="DIMENSION=K",
+                        help="few-shot examples per prompt of a dimension's tasks (others: 0)")
     parser.add_argument("--limit", type=int)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--run-id", required=True)
@@ -93,7 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     apply_environment_defaults()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    scores = evaluate_checkpoint(args.checkpoint, args.data_dir, args.tasks, args.limit, args.batch_size)
+    from forgeline.eval.dimensions import fewshot_counts
+
+    shots = {name: int(count) for name, _, count in (pair.partition("=") for pair in args.dimension_shots)}
+    num_fewshot = fewshot_counts(args.tasks, shots)
+    scores = evaluate_checkpoint(args.checkpoint, args.data_dir, args.tasks, num_fewshot, args.limit,
+                                 args.batch_size)
     log_scores(args.run_id, args.step, scores)
     log.info("step %d: %s", args.step, describe(scores))
 

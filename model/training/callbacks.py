@@ -275,8 +275,9 @@ class WatchdogCallback(Callback):
 @dataclass
 class InTrainingEvalCallback(Callback):
     """Every `every_steps`, once that step's checkpoint is committed, global rank 0 starts
-    `python -m forgeline.eval.periodic` on it in the background; it logs `eval/<task>/<metric>`
-    and its standard error `eval/stderr/<task>/<metric>` into the training run at that step. One
+    `python -m forgeline.eval.periodic` on it in the background, asking each task as the eval
+    stage does; it logs `eval/<task>/<metric>` and its standard error
+    `eval/stderr/<task>/<metric>` into the training run at that step. One
     evaluation runs at a time (later steps queue); the end of training waits for them."""
 
     cfg: InTrainingEvalConfig
@@ -284,6 +285,8 @@ class InTrainingEvalCallback(Callback):
     data_dir: Path
     run_id: str
     batch_size: int
+    dimension_shots: dict[str, int]
+    """The eval stage's few-shot count of each dimension that has one (eval.dimensions)."""
     _queue: list[int] = field(default_factory=list)
     _running: subprocess.Popen | None = None
 
@@ -320,7 +323,8 @@ class InTrainingEvalCallback(Callback):
                "--checkpoint", str(self.checkpoint_root / step_dir_name(step)),
                "--data-dir", str(self.data_dir),
                "--tasks", *self.cfg.tasks, "--run-id", self.run_id, "--step", str(step),
-               "--batch-size", str(self.batch_size)]
+               "--batch-size", str(self.batch_size),
+               "--dimension-shots", *(f"{name}={shots}" for name, shots in self.dimension_shots.items())]
         if self.cfg.limit is not None:
             cmd += ["--limit", str(self.cfg.limit)]
         # One thread: the ranks keep the cores; the evaluation is not in a hurry. A session of its

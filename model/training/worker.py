@@ -228,8 +228,10 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
         stacks_file = Path(stacks_dir) / f"rank{rank}-restart{restart}.txt" if stacks_dir else None
         callbacks.insert(0, WatchdogCallback(cfg.train.hang_timeout_s, stacks_file))
     if cfg.eval.during_training.every_steps and rank == 0 and run_id:
+        shots = {name: dimension.num_fewshot for name, dimension in cfg.eval.dimensions.items()
+                 if dimension.num_fewshot}
         callbacks.append(InTrainingEvalCallback(cfg.eval.during_training, outputs.checkpoints, data_dir,
-                                                run_id, cfg.eval.batch_size))
+                                                run_id, cfg.eval.batch_size, shots))
     trainer = Trainer(total_steps=cfg.train.steps, state=trainer_state, train_step=train_step, device=device,
                       tokens_per_step=tokens_per_step, callbacks=callbacks)
     trainer.fit()

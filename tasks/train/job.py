@@ -30,6 +30,7 @@ import yaml
 
 from forgeline.configs import Config
 from forgeline.configs.schema import resume_fingerprint, run_fingerprint
+from forgeline.eval.dimensions import dimension_of
 from forgeline.model.checkpoint.manager import committed_checkpoints, latest_valid_checkpoint
 from forgeline.model.fileio import sha256_file
 from forgeline.model.parallel.mesh import local_device_type, resolve_precision
@@ -346,7 +347,19 @@ def rank_config_yaml(cfg: Config) -> str:
     sft = {"sft"} if cfg.sft is not None else set()  # a pretraining run's config stays as it was
     read = cfg.model_dump(include={"run", "data", "model", "parallel", "train", "checkpoint", *sft})
     read["eval"] = cfg.eval.model_dump(include={"during_training", "batch_size"})
+    if shots := in_training_shots(cfg):
+        read["eval"]["dimensions"] = shots
     return yaml.safe_dump(read, sort_keys=False)
+
+
+def in_training_shots(cfg: Config) -> dict[str, dict[str, int]]:
+    """The few-shot counts the in-training evaluation asks its tasks with: their dimensions' in
+    the eval stage (eval.dimensions), where they have one."""
+    if not cfg.eval.during_training.every_steps:
+        return {}
+    asked = {dimension_of(task) for task in cfg.eval.during_training.tasks}
+    return {name: {"num_fewshot": dimension.num_fewshot} for name, dimension in cfg.eval.dimensions.items()
+            if name in asked and dimension.num_fewshot}
 
 
 def read_train_summary(cfg: Config) -> TrainResult:
@@ -372,7 +385,8 @@ def set_aside_superseded(root: Path, fingerprint: str) -> Path | None:
     for path in stale:
         archive.mkdir(exist_ok=True)
         log.warning("setting %s aside into %s: trained on other data or another base's weights than "
-                    "this run's, it cannot be resumed; `forgeline clean %s` removes them", path, archive, archive)
+                    "this run's, it cannot be resumed; `forgeline clean %s` removes them",
+                    path, archive, archive)
         path.rename(archive / path.name)
     for partial in root.glob(".step-*.partial") if root.is_dir() else ():
         shutil.rmtree(partial)

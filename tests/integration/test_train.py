@@ -94,9 +94,14 @@ def test_fsdp_x_tp_layout_trains_and_its_checkpoint_loads_in_one_process(
     assert torch.isfinite(logits).all()
 
 
-def test_in_training_evaluation_logs_scores_at_its_steps(data_root: Path, tmp_path: Path) -> None:
+def test_in_training_evaluation_logs_at_its_steps_the_eval_stages_scores(data_root: Path,
+                                                                         tmp_path: Path) -> None:
+    """Each evaluation logs its scores at its step; at the last step they are the eval stage's
+    on the same checkpoint, asked the same way (LAMBADA with its dimension's shot)."""
+    tasks = ("forgeline_heldout", "forgeline_lambada")
     cfg = config(data_root, tmp_path, "train.peak_tflops=1",
-                 "eval.during_training={every_steps: 10, tasks: [forgeline_heldout], limit: 3}")
+                 f"eval.during_training={{every_steps: 10, tasks: [{', '.join(tasks)}], limit: 3}}",
+                 "eval.dimensions={language_modeling: {limit: 3, num_fewshot: 1}}")
     run_stage(stage_named("train"), cfg)
     client = MlflowClient(resolve_tracking_uri(cfg))
     [run] = client.search_runs([client.get_experiment_by_name("forgeline-debug").experiment_id])
@@ -106,3 +111,9 @@ def test_in_training_evaluation_logs_scores_at_its_steps(data_root: Path, tmp_pa
     stderrs = client.get_metric_history(run.info.run_id, "eval/stderr/forgeline_heldout/bits_per_byte")
     assert sorted(m.step for m in stderrs) == [10, 20]
     assert all(0 < m.value < 1 for m in stderrs)  # the 3 documents score apart, by a fraction of a bit
+
+    stage = run_stage(stage_named("eval"), cfg)
+    assert stage.checkpoint.endswith("step-00000020")
+    for name in ("forgeline_heldout/bits_per_byte", "forgeline_lambada/perplexity", "forgeline_lambada/acc"):
+        [last] = [m for m in client.get_metric_history(run.info.run_id, f"eval/{name}") if m.step == 20]
+        assert last.value == pytest.approx(stage.metrics[name], rel=1e-6), name

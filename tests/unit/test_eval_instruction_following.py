@@ -151,7 +151,7 @@ def test_the_in_training_eval_asks_ifeval_as_the_eval_stage_does(
     """... beside a task asked plainly (ARC-Easy, scored by log-likelihood): the same prompts,
     through the chat template, and the same scores."""
     with prompts_given(assistant) as seen:
-        scores = score_tasks(assistant, ["forgeline_ifeval", "forgeline_arc_easy"], LIMIT, task_manager)
+        scores = score_tasks(assistant, ["forgeline_ifeval", "forgeline_arc_easy"], {}, LIMIT, task_manager)
     stage_prompts, stage = ifeval_run
     assert sorted(seen) == sorted(stage_prompts)
     assert {name: scores[name] for name in stage.raw} == stage.raw

@@ -23,6 +23,14 @@ def test_the_ranks_config_holds_what_training_reads_and_nothing_else() -> None:
     assert rank_config_yaml(later) == rank_config_yaml(cfg)
     in_training = load_config("debug.yaml", ["eval.during_training.every_steps=10"])
     assert rank_config_yaml(in_training) != rank_config_yaml(cfg)
+    # Its tasks (held-out text) are asked with their dimension's shots, as the eval stage asks them.
+    shots = load_config("debug.yaml", ["eval.during_training.every_steps=10",
+                                       "eval.dimensions.language_modeling.num_fewshot=1"])
+    asked = yaml.safe_load(rank_config_yaml(shots))["eval"]["dimensions"]
+    assert asked == {"language_modeling": {"num_fewshot": 1}}
+    other = load_config("debug.yaml", ["eval.during_training.every_steps=10",
+                                       "eval.dimensions.math.num_fewshot=1"])
+    assert rank_config_yaml(other) == rank_config_yaml(in_training)
 
 
 def test_the_summary_is_read_with_its_paths_under_the_configured_directory(tmp_path) -> None:
