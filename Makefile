@@ -72,13 +72,13 @@ run: install
 # Two test files at a time, as test-slow: many tests wait on a process they started (torchrun,
 # a server), so two share the cores well.
 test: install
-	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadfile --durations=15
 
 # Tests that take more than ~30 s each (e.g. `dvc repro` of the data stage twice). Two files at
 # a time (a file's module fixtures stay in one process): most of their time is one process
 # (a single-rank stage, a server, a browser) waiting on another, so two share the cores well.
 test-slow: install
-	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadfile --durations=25
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not integration and not e2e"
