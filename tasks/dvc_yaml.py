@@ -43,7 +43,7 @@ DVC_HEADER = """\
 # untouched (`persist`: DVC does not delete it first), so data and what follows rerun only when
 # the raw inputs changed. `base` always runs too: it writes the identity of the pretrained base
 # of model.init_from (the sha256 of its weights and tokenizer: a registry alias moves, a directory
-# is rewritten in place) to <train.out_dir>.base.json (`forgeline stage train --base-only`),
+# is rewritten in place) to <data.out_dir>.base.json (`forgeline stage train --base-only`),
 # rewritten only when it changed; data, train and eval depend on it. Change only the eval section
 # and `dvc repro` reruns eval (and register, if the scores changed), never data or train. The
 # outputs of data and train persist too: rerun, the data stage rewrites nothing for unchanged
@@ -99,9 +99,10 @@ def snapshot_entry(stage: Stage, snapshot: Snapshot, params_file: str, paths: Pa
             "outs": [{paths.of(snapshot.output): {"persist": True}}]}
 
 
-def base_entry(base: BaseStamp, params_file: str, pipeline: tuple[Stage, ...], paths: Paths) -> dict[str, Any]:
-    """Run by the stage whose output the stamp is beside (train, or sft), with --base-only."""
-    [owner] = [stage for stage in pipeline if stage.output == base.beside]
+def base_entry(base: BaseStamp, params_file: str, pipeline: tuple[Stage, ...],
+               paths: Paths) -> dict[str, Any]:
+    """Run by the stage that trains (train, or sft), with --base-only."""
+    [owner] = [stage for stage in pipeline if stage.output == base.run_by]
     return {"cmd": f"forgeline stage {owner.name} --config {params_file} --base-only",
             "always_changed": True,
             "deps": list(base.code),
@@ -162,10 +163,10 @@ def check_dvc_outputs(cfg: Config, params_file: str) -> None:
     now = dvc_stages(params_file, Paths(cfg)).get(name)
     if listed is None or now is None or written_outputs(listed) == written_outputs(now):
         return
-    raise ValueError(f"dvc.yaml's stage {name} writes {', '.join(written_outputs(listed))}, but {params_file} now "
-                     f"writes to {', '.join(written_outputs(now))} (run {cfg.run.name}: a key that names the run "
-                     "changed). Run `forgeline stages --write` so that dvc.yaml follows the config, then "
-                     "`dvc repro`; nothing was run")
+    raise ValueError(f"dvc.yaml's stage {name} writes {', '.join(written_outputs(listed))}, but "
+                     f"{params_file} now writes to {', '.join(written_outputs(now))} (run {cfg.run.name}: a "
+                     "key that names the run changed). Run `forgeline stages --write` so that dvc.yaml "
+                     "follows the config, then `dvc repro`; nothing was run")
 
 
 TABLE_BEGIN = "<!-- stage table: `forgeline stages --write` renders it from tasks/stage.py -->"

@@ -110,7 +110,12 @@ class BaseStamp:
     name: str
     """Its DVC stage."""
     beside: str
-    """Config field of the directory the stamp is written beside: `<directory><suffix>`."""
+    """Config field of the directory the stamp is written beside: `<directory><suffix>`. The
+    data's, which is named by model.init_from among the rest: a change that moves the run's
+    directory (train.lr) moves no dep of the data stage."""
+    run_by: str
+    """Config field of the output of the stage that writes it (`forgeline stage NAME --base-only`):
+    train's, or sft's in its place."""
     suffix: str
     params: tuple[str, ...]
     """Dotted config keys it reads (its DVC params)."""
@@ -126,8 +131,8 @@ class BaseStamp:
         return collapsed(code_files((self.identity,)))
 
 
-BASE = BaseStamp(name="base", beside="train.out_dir", suffix=".base.json", params=("model.init_from",),
-                 identity="forgeline.tasks.pretrained:base_identity")
+BASE = BaseStamp(name="base", beside="data.out_dir", run_by="train.out_dir", suffix=".base.json",
+                 params=("model.init_from",), identity="forgeline.tasks.pretrained:base_identity")
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def test_dvc_repro_trains_from_a_base_rewritten_in_place_and_not_again_from_an_u
     commit(repo, "a base")
     cfg = params(repo)
     assert others(stages_run(dvc(repo, "repro", "train").stdout)) == ["data", "train"]
-    stamp = repo / f"{cfg.train.out_dir}.base.json"
+    stamp = repo / f"{cfg.data.out_dir}.base.json"
     written = stamp.stat()
     trained = json.loads((repo / cfg.train.out_dir / "train.json").read_text())
     assert trained["base"]["weights_sha256"] == json.loads(stamp.read_text())["weights_sha256"]
