@@ -1,7 +1,8 @@
 """The registered pyfunc model (tasks/register.py HFGenerator) as an assistant: a row's `messages`
 go through the export's chat template and plain prompts still work -- logged to a real MLflow
 store (sqlite) and loaded by mlflow.pyfunc.load_model; its reply stops at the template's
-end-of-turn token; and `mlflow models serve` answers a conversation (slow)."""
+end-of-turn token; and `mlflow models serve` answers a conversation, and 16 rows in one request
+(slow)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.integration
 TALK = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Write a poem about the sea."}]
 NEW_TOKENS = 6
+LINE = "ROMEO: O, she doth teach the torches to burn bright! It seems she hangs upon the cheek".split()
+SIXTEEN = [" ".join(LINE[:n]) for n in range(1, 17)]  # prompts of 1 to 16 words
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +109,12 @@ def test_mlflow_models_serve_answers_a_conversation(export: Path, model_uri: str
         answers = [httpx.post(f"http://127.0.0.1:{port}/invocations", timeout=120, json={
             "dataframe_records": records, "params": {"max_new_tokens": NEW_TOKENS}})
             for records in ([{"messages": TALK}], [{"prompt": "ROMEO:"}],
-                            [{"messages": TALK, "prompt": None}, {"messages": None, "prompt": "ROMEO:"}])]
-    assert [answer.status_code for answer in answers] == [200] * 3, [answer.text for answer in answers]
+                            [{"messages": TALK, "prompt": None}, {"messages": None, "prompt": "ROMEO:"}],
+                            [{"prompt": prompt} for prompt in SIXTEEN])]
+    assert [answer.status_code for answer in answers] == [200] * 4, [answer.text for answer in answers]
     tokenizer = AutoTokenizer.from_pretrained(export)
     talk = reference(export, tokenizer.apply_chat_template(TALK, tokenize=False, add_generation_prompt=True))
     plain = reference(export, "ROMEO:")
-    assert [answer.json()["predictions"] for answer in answers] == [[talk], [plain], [talk, plain]]
+    assert [answer.json()["predictions"] for answer in answers[:3]] == [[talk], [plain], [talk, plain]]
+    # Generated in one padded batch, each row as it alone would be.
+    assert answers[3].json()["predictions"] == [reference(export, prompt) for prompt in SIXTEEN]
