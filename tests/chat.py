@@ -46,3 +46,29 @@ def save_random_bundle(directory: Path, vocab_size: int, max_seq_len: int) -> Tr
     model = random_model(vocab_size, max_seq_len)
     save_bundle(model, directory)
     return model
+
+
+def save_chat_export(root: Path) -> Path:
+    """A Hugging Face export (model/hf.py) of a tiny random model with a ChatML tokenizer."""
+    from forgeline.model.hf import export_hf
+
+    tokenizer = save_chat_tokenizer(root / "tokenizer")
+    return export_hf(random_model(len(tokenizer), max_seq_len=128), root / "tokenizer", root / "hf")
+
+
+def greedy_reply(export: Path, text: str, max_new_tokens: int) -> str:
+    """transformers' own greedy continuation of `text` by the export, stopped at EOS or the
+    template's end-of-turn token."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from forgeline.eval.chat import end_of_turn_id
+
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    eos = tokenizer.eos_token_id
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, eos_token_id=[eos, end_of_turn_id(tokenizer)],
+                         pad_token_id=eos)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

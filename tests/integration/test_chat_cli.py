@@ -11,14 +11,11 @@ from pathlib import Path
 
 import mlflow
 import pytest
-import torch
 from mlflow import MlflowClient
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from forgeline.eval.chat import end_of_turn_id
-from forgeline.model.hf import export_hf
 from forgeline.tasks.register import SIGNATURE, HFGenerator
-from tests.chat import random_model, save_chat_tokenizer
+from tests.chat import greedy_reply, save_chat_export
 from tests.integration.helpers import VENV_BIN, user_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real processes, about 3 min
@@ -30,20 +27,11 @@ TALK = [{"role": "user", "content": "Write a poem about the sea."}]
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("talk")
-    tokenizer = save_chat_tokenizer(root / "tokenizer")
-    return export_hf(random_model(len(tokenizer), max_seq_len=128), root / "tokenizer", root / "hf")
+    return save_chat_export(tmp_path_factory.mktemp("talk"))
 
 
 def reference(export: Path, text: str) -> str:
-    """transformers' greedy continuation of `text`, stopped at EOS or <|im_end|>."""
-    model = AutoModelForCausalLM.from_pretrained(export).eval()
-    tokenizer = AutoTokenizer.from_pretrained(export)
-    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
-                         eos_token_id=[tokenizer.eos_token_id, end_of_turn_id(tokenizer)],
-                         pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return greedy_reply(export, text, NEW_TOKENS)
 
 
 def rendered(export: Path, messages: list[dict[str, str]]) -> str:

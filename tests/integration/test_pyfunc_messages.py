@@ -14,12 +14,12 @@ import mlflow
 import pandas as pd
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from forgeline.eval.chat import end_of_turn_id
 from forgeline.model.hf import export_hf
 from forgeline.tasks.register import SIGNATURE, HFGenerator
-from tests.chat import random_model, save_chat_tokenizer
+from tests.chat import greedy_reply, random_model, save_chat_export, save_chat_tokenizer
 from tests.integration.helpers import VENV_BIN, free_port, serving, user_env
 
 pytestmark = pytest.mark.integration
@@ -34,9 +34,7 @@ SIXTEEN = [" ".join(LINE[:n]) for n in range(1, 17)]  # prompts of 1 to 16 words
 @pytest.fixture(scope="module")
 def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Hugging Face export of a tiny random model with a ChatML tokenizer."""
-    root = tmp_path_factory.mktemp("assistant")
-    tokenizer = save_chat_tokenizer(root / "tokenizer")
-    return export_hf(random_model(len(tokenizer), max_seq_len=128), root / "tokenizer", root / "hf")
+    return save_chat_export(tmp_path_factory.mktemp("assistant"))
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +52,7 @@ def model_uri(export: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def reference(export: Path, text: str) -> str:
-    """transformers' own greedy reply to `text`, stopped at EOS or <|im_end|>."""
-    model = AutoModelForCausalLM.from_pretrained(export).eval()
-    tokenizer = AutoTokenizer.from_pretrained(export)
-    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
-                         eos_token_id=[tokenizer.eos_token_id, end_of_turn_id(tokenizer)],
-                         pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return greedy_reply(export, text, NEW_TOKENS)
 
 
 def test_the_pyfunc_renders_messages_with_the_chat_template(export: Path, model_uri: str) -> None:
