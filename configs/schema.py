@@ -1243,7 +1243,8 @@ class Config(Section):
 
     def _sources_fit_the_stage(self) -> None:
         """Fine-tuning trains on conversations only, pretraining on documents only: a mix would
-        train on text with no assistant turn, or render conversations as plain text."""
+        train on text with no assistant turn, or render conversations as plain text. What makes
+        no sense for fine-tuning is refused too."""
         mismatched = [source.label for source in self.data.sources if source.conversational != bool(self.sft)]
         if mismatched and self.sft:
             raise ValueError(f"sft is set, but data.sources {mismatched} hold text, not conversations: give "
@@ -1254,6 +1255,9 @@ class Config(Section):
         if self.data.chat_template is not None and self.sft is None:
             raise ValueError("data.chat_template renders conversations for fine-tuning: set the `sft` "
                              "section, or unset it")
+        if self.sft is not None and self.train.document_masking is False:
+            raise ValueError("train.document_masking=false with sft: conversations packed into a row would "
+                             "attend to each other; leave it at auto (on for fine-tuning) or true")
 
     def _shape_fits(self) -> None:
         """The checks that need the model's shape: for a run from a base, once it is read

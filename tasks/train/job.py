@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from forgeline.configs import Config
+from forgeline.configs import Config, ConfigError
 from forgeline.configs.schema import resume_fingerprint, run_fingerprint
 from forgeline.eval.dimensions import dimension_of
 from forgeline.model.checkpoint.manager import committed_checkpoints, latest_valid_checkpoint
@@ -155,10 +155,14 @@ def check_run_directory(cfg: Config) -> None:
 
 def preflight_train(cfg: Config) -> None:
     """Before any stage runs: train.out_dir holds no other configuration's checkpoints, the
-    precision suits this machine, and the base (`model.init_from`) is readable, of an
+    precision suits this machine, LoRA has a base, and the base (`model.init_from`) is readable, of an
     architecture forgeline represents, its shape agreeing with the config and fitting the layout."""
     check_run_directory(cfg)
     preflight_precision(cfg)
+    if cfg.sft is not None and cfg.sft.lora is not None and not cfg.model.init_from:
+        raise ConfigError("sft.lora trains adapters on a base's frozen weights, but model.init_from is "
+                          "unset: the weights would stay random. Set model.init_from, or unset sft.lora "
+                          "to fine-tune every weight")
     if cfg.model.init_from:
         with_base(cfg, resolve_base(cfg))
 

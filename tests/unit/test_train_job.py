@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import yaml
 
-from forgeline.configs import Config, load_config
-from forgeline.tasks.train.job import TrainResult, rank_config_yaml, read_train_summary
+from forgeline.configs import Config, ConfigError, load_config
+from forgeline.tasks.train.job import TrainResult, preflight_train, rank_config_yaml, read_train_summary
 
 
 def test_the_ranks_config_holds_what_training_reads_and_nothing_else() -> None:
@@ -43,3 +44,17 @@ def test_the_summary_is_read_with_its_paths_under_the_configured_directory(tmp_p
     read = read_train_summary(load_config("debug.yaml", [f"train.out_dir={tmp_path / 'elsewhere'}"]))
     assert read.checkpoint == str(tmp_path / "elsewhere" / "checkpoints" / "step-00000020")
     assert read.step == 20
+
+
+def test_nonsensical_fine_tuning_is_refused_naming_the_key(tmp_path) -> None:
+    """Before any work: packed conversations that would attend to each other (at config load),
+    and adapters on random weights (before any stage runs)."""
+    chats = ["data.sources=[{kind: chitchat}]", "sft.lora=null"]
+    with pytest.raises(ConfigError, match="train.document_masking=false with sft"):
+        load_config("debug.yaml", [*chats, "train.document_masking=false"])
+    lora = load_config("debug.yaml", ["data.sources=[{kind: chitchat}]", "sft.lora.rank=4",
+                                      f"train.out_dir={tmp_path / 'train'}"])
+    with pytest.raises(ConfigError, match="sft.lora trains adapters on a base's frozen weights, but "
+                                          "model.init_from is unset"):
+        preflight_train(lora)
+    assert not (tmp_path / "train").exists()
