@@ -63,8 +63,8 @@ def stage_inputs(stage: Stage, cfg: Config) -> dict[str, Any]:
     }
     if installed := stage.installed_files():
         inputs[INSTALLED_FILES] = installed
-    if stage.params:
-        inputs["params"] = {key: cfg.value(key) for key in stage.params}
+    if params := stage.params_of(cfg):
+        inputs["params"] = {key: cfg.value(key) for key in params}
     if stage.snapshot is not None:
         raw = cfg.value(stage.snapshot.output)
         inputs[stage.snapshot.name] = {raw: dvc_hash(raw)}

@@ -119,7 +119,7 @@ def stage_entry(stage: Stage, params_file: str, paths: Paths) -> dict[str, Any]:
         deps.append(paths.base_stamp(BASE))
     entry: dict[str, Any] = {"cmd": f"forgeline stage {stage.name} --config {params_file}{flag}",
                              "deps": deps + list(stage.code),
-                             "params": [{params_file: [*stage.sections, *stage.params]}]}
+                             "params": [{params_file: [*stage.sections, *stage.params_of(paths.cfg)]}]}
     for kind, key in (("out", "outs"), ("metric", "metrics"), ("plot", "plots")):
         listed = [output_entry(stage, output, paths) for output in stage.outputs if output.kind == kind]
         if listed:

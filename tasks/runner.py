@@ -140,7 +140,7 @@ def tracked_stage(stage: Stage, cfg: Config, parent_run_id: str | None = None, f
                       continues=continues) as run,
           stage_log(stage.name, cfg, run)):
         run.log_params({k: v for k, v in cfg.flat().items()
-                        if k.split(".")[0] in stage.sections or k in stage.params})
+                        if k.split(".")[0] in stage.sections or k in stage.params_of(cfg)})
         if stage.snapshot is not None and not from_snapshot:
             resolve(stage.snapshot.take)(cfg)
         noted = DecisionNoted(run)

@@ -159,7 +159,8 @@ class Stage:
     """(cfg, run, parent, result) -> None: its metrics, tags and artifacts in MLflow, on every run."""
     params: tuple[str, ...] = ()
     """Dotted config keys of other sections it also computes from: DVC params (the key must be
-    in the params file) and part of its cache key, like its sections."""
+    in the params file) and part of its cache key, like its sections; a key under a section the
+    config leaves unset (`sft` of a pretraining run) is none of its inputs (`params_of`)."""
     preflight: str | None = None
     """(cfg) -> None: checks that need no upstream output, before any work."""
     retries: str | None = None
@@ -230,6 +231,10 @@ class Stage:
         """The sha256 of each installed package's file its code reads (lm-eval's task YAMLs)."""
         return installed_files(reached(self.entry_points).modules)
 
+    def params_of(self, cfg: Config) -> tuple[str, ...]:
+        """`params` that `cfg` has: less those under a section it leaves unset."""
+        return tuple(key for key in self.params if getattr(cfg, key.split(".")[0]) is not None)
+
     def done_marker(self, cfg: Config) -> Path:
         return self.out_dir(cfg) / self.done
 
@@ -272,7 +277,9 @@ STAGES = (
         name="data",
         summary="sources -> raw snapshot -> cleaning and dedup -> tokenizer -> packed, checksummed shards",
         sections=("data",),
-        params=("model.init_from",),  # a run from a base tokenizes with the base's tokenizer
+        # A run from a base tokenizes with the base's tokenizer; fine-tuning's masks cover the
+        # assistant turns sft.train_on names.
+        params=("model.init_from", "sft.train_on"),
         reads=(),
         output="data.out_dir",
         outputs=(Output(persist=True),),  # a rebuild of the same inputs rewrites nothing

@@ -480,9 +480,8 @@ def tokenizer_source(cfg: Config) -> Path | None:
 def files_named_by_path(cfg: Config) -> dict[str, dict[str, str] | str | None]:
     """The files outside the repository that the config names by path, by content (the data
     stage's cache key; DVC sees only the paths): data.tokenizer_path's tokenizer -- its chat
-    template and special tokens too -- and a data.chat_template .jinja file (None: missing). Also
-    sft.train_on, which the masks follow but the stage's params (the data section) do not hold."""
-    named: dict[str, dict[str, str] | str | None] = {"sft.train_on": cfg.sft.train_on} if cfg.sft else {}
+    template and special tokens too -- and a data.chat_template .jinja file (None: missing)."""
+    named: dict[str, dict[str, str] | str | None] = {}
     if cfg.data.tokenizer_path:
         path = Path(cfg.data.tokenizer_path)
         named["data.tokenizer_path"] = tokenizer_files(path) if path.is_dir() else (

@@ -177,6 +177,12 @@ def test_a_fine_tuning_configs_dvc_yaml_has_sft_in_place_of_train(capsys: pytest
     run_dir = f"artifacts/{load_config('smollm2-sft.yaml').run.name}"
     assert f"{run_dir}/train" in stages["eval"]["deps"]  # the run's directory, train's and sft's alike
     assert stages["sft"]["outs"] == [{f"{run_dir}/train": {"persist": True}}]
+    # The data stage's masks follow sft.train_on: `dvc repro` reruns it when that changes. A
+    # pretraining config has no such key, which DVC would refuse as a missing param.
+    assert "sft.train_on" in stages["data"]["params"][0]["configs/smollm2-sft.yaml"]
+    assert main(["stages", "--dvc", "configs/tiny.yaml"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["stages"]["data"]["params"] == [
+        {"configs/tiny.yaml": ["data", "model.init_from"]}]
 
 
 def stamp_as_a_run_would(stage: Stage, cfg: Config) -> Path:
