@@ -3,7 +3,10 @@
 template's {% generation %} markers enclose, where chat.py derives them from the renderings of
 a conversation's prefixes through the unmarked template. Real conversations of the shipped
 dataset (chitchat, cleaned as the data stage cleans them), SmolLM2's real tokenizer and chat
-template; multi-turn, with a system turn, with a tool turn, one exchange, and cut to a row."""
+template; multi-turn, with a system turn, with a tool turn, one exchange, and cut to a row. Then the
+same comparison for each family's public template -- ChatML, Llama 3, Mistral, Gemma, Phi-3, Qwen3 --
+on 210 conversations each, through a tokenizer made offline (SmolLM2's vocabulary with the family's
+special tokens and template) and a copy of the template with generation markers."""
 
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ import logging
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from forgeline.configs.schema import CleaningConfig, SourceConfig
 from forgeline.tasks.data.chat import (
+    GENERATION_TAG,
     ChatTemplateError,
     conversation_of,
     load_chat_tokenizer,
@@ -189,3 +194,272 @@ def test_a_user_turn_spelling_a_header_is_text(tokenizer) -> None:
     # The template's own: system, user, assistant each opened and closed; none from the user's text.
     assert sum(token in specials for token in rendered.ids.tolist()) == 6
     assert tokenizer.decode(rendered.ids[rendered.mask == 1].tolist()) == "No.<|im_end|>"
+
+
+# The public chat templates of each family, verbatim (as their tokenizer_config.json holds them),
+# and a copy of each with transformers' generation markers around what an assistant turn trains:
+# its content (as the template writes it) and the end-of-turn token that closes it. Each copy
+# renders exactly the text of its template (checked on every conversation).
+LLAMA3 = (r"{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+          r"'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+          r"'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+          r"{{ content }}{% endfor %}{% if add_generation_prompt %}"
+          r"{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+MISTRAL = r"""{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif %}
+    {%- if message['role'] == 'user' %}
+        {%- if loop.first and system_message is defined %}
+            {{- ' [INST] ' + system_message + '\n\n' + message['content'] + ' [/INST]' }}
+        {%- else %}
+            {{- ' [INST] ' + message['content'] + ' [/INST]' }}
+        {%- endif %}
+    {%- elif message['role'] == 'assistant' %}
+        {{- ' ' + message['content'] + eos_token}}
+    {%- else %}
+        {{- raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}
+    {%- endif %}
+{%- endfor %}
+"""  # noqa: E501
+GEMMA = (r"{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+         r"{{ raise_exception('System role not supported') }}{% endif %}"
+         r"{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+         r"{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+         r"{% endif %}"
+         r"{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}"
+         r"{% set role = message['role'] %}{% endif %}"
+         r"{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+         r"{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+PHI3 = (r"{% for message in messages %}{% if message['role'] == 'system' %}"
+        r"{{'<|system|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}"
+        r"{{'<|user|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}"
+        r"{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+        r"{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+QWEN3 = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""  # noqa: E501
+
+
+def marked(template: str, *edits: tuple[str, str]) -> str:
+    """`template` with each (old, new) edit made where `old` occurs once."""
+    for old, new in edits:
+        assert template.count(old) == 1, old
+        template = template.replace(old, new)
+    return template
+
+
+MARKED = {
+    "Llama 3": marked(LLAMA3, ("{{ content }}", (
+        r"{% if message['role'] == 'assistant' %}{{ content[:content | length - (message['content'] | trim"
+        r" | length) - 10] }}{% generation %}{{ message['content'] | trim + '<|eot_id|>' }}"
+        r"{% endgeneration %}"
+        r"{% else %}{{ content }}{% endif %}"))),  # 10: len('<|eot_id|>')
+    "Mistral": marked(MISTRAL, ("{{- ' ' + message['content'] + eos_token}}",
+                                "{%- generation %}{{- ' ' + message['content'] + eos_token}}"
+                                "{%- endgeneration %}")),
+    "Gemma": marked(GEMMA, (r"{{ '<start_of_turn>' + role + '\n' + message['content'] | trim"
+                            r" + '<end_of_turn>\n' }}",
+                            r"{{ '<start_of_turn>' + role + '\n' }}{% if role == 'model' %}{% generation %}"
+                            r"{{ message['content'] | trim + '<end_of_turn>' }}{% endgeneration %}{% else %}"
+                            r"{{ message['content'] | trim + '<end_of_turn>' }}{% endif %}{{ '\n' }}")),
+    "Phi-3": marked(PHI3, (r"{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}",
+                           r"{{'<|assistant|>\n'}}{% generation %}{{message['content'] + '<|end|>'}}"
+                           r"{% endgeneration %}{{'\n'}}")),
+    # The header is written before the branches; the generation runs from the reply (with the
+    # <think> block the template writes in the last turn) through <|im_end|>.
+    "Qwen3": marked(QWEN3,
+                    ("        {%- if loop.index0 > ns.last_query_index %}",
+                     "        {{- '<|im_start|>' + message.role + '\\n' }}{%- generation %}"
+                     "{%- if loop.index0 > ns.last_query_index %}"),
+                    (r"{{- '<|im_start|>' + message.role + '\n<think>\n' +", r"{{- '<think>\n' +"),
+                    (r"""            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}""", r"""            {%- else %}
+                {{- content }}"""),
+                    (r"""        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}""", r"""        {%- else %}
+            {{- content }}"""),
+                    (r"""        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}""", r"""        {{- '<|im_end|>' }}{%- endgeneration %}{{- '\n' }}
+    {%- elif message.role == "tool" %}""")),
+}
+# family: (base template, bos, eos, other special tokens, added tokens, a system turn, tool turns)
+FAMILIES = {
+    "ChatML (SmolLM2)": (None, None, None, [], [], True, True),
+    "Llama 3": (LLAMA3, "<|begin_of_text|>", "<|end_of_text|>", ["<|start_header_id|>", "<|end_header_id|>",
+                                                                 "<|eot_id|>"], [], True, False),
+    "Mistral": (MISTRAL, "<s>", "</s>", ["[INST]", "[/INST]"], [], True, False),
+    "Gemma": (GEMMA, "<bos>", "<eos>", ["<start_of_turn>", "<end_of_turn>"], [], False, False),
+    "Phi-3": (PHI3, "<s>", "<|endoftext|>", ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], [], True,
+              False),
+    "Qwen3": (QWEN3, None, "<|im_end|>", ["<|im_start|>", "<|endoftext|>"], ["<think>", "</think>"], True,
+              True),
+}
+FAMILY_CONVERSATIONS = 210  # per family, each a distinct shipped conversation (a third with a system turn)
+
+
+def family_tokenizer(smollm2, family: str):
+    """SmolLM2's real vocabulary (byte-level BPE) with the family's special and added tokens and
+    its public template: made offline; the ChatML row is SmolLM2's own tokenizer and template."""
+    template, bos, eos, others, added, _, _ = FAMILIES[family]
+    if template is None:
+        return smollm2
+    backend = Tokenizer.from_str(smollm2.backend_tokenizer.to_str())
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos,
+                                        additional_special_tokens=others)
+    tokenizer.add_tokens(added)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def family_cases(tokenizer):
+    """Per family: its tokenizer, marked template and conversations (multi-turn; some with a system
+    turn, some with a tool turn, where the template has those roles)."""
+    chats = shipped_conversations(FAMILY_CONVERSATIONS)
+    out = {}
+    for family, (_, _, _, _, _, system, tool) in FAMILIES.items():
+        conversations = []
+        for n, chat in enumerate(chats):
+            chat = chat[:TURNS]
+            if tool and n % 3 == 1:
+                first, *rest = chat
+                tool_turn = {"role": "tool", "content": f"search results for {first['content'][:40]!r}: none"}
+                chat = [first, tool_turn, *rest]
+            if system and n % 3 == 0:
+                chat = [{"role": "system", "content": SYSTEM_PROMPTS[n % 9 // 3]}, *chat]
+            conversations.append(chat)
+        out[family] = (family_tokenizer(tokenizer, family), MARKED.get(family, REFERENCE_TEMPLATE),
+                       conversations)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_familys_masks_equal_transformers_on_its_real_template(family_cases, family: str) -> None:
+    """forgeline's mask through the family's public template (no markers) = transformers'
+    assistant_masks through the marked copy, token for token, on 200+ real conversations."""
+    tokenizer, reference_template, conversations = family_cases[family]
+    assert not GENERATION_TAG.search(tokenizer.chat_template)
+    mismatches = tokens = trained = 0
+    for messages in conversations:
+        ours = render(tokenizer, messages)
+        out = tokenizer.apply_chat_template(messages, chat_template=reference_template, tokenize=True,
+                                            return_dict=True, return_assistant_tokens_mask=True)
+        assert ours.text == tokenizer.apply_chat_template(messages, chat_template=reference_template,
+                                                          tokenize=False)
+        assert ours.ids.tolist() == list(out["input_ids"])
+        mismatches += int((ours.mask != np.array(out["assistant_masks"])).sum())
+        tokens, trained = tokens + len(ours.ids), trained + int(ours.mask.sum())
+    log.info("%s: %d conversations, %d tokens (%d trained): %d mask mismatches", family, len(conversations),
+             tokens, trained, mismatches)
+    assert len(conversations) >= 200 and 0 < trained < tokens
+    assert mismatches == 0
+
+
+def test_the_family_comparison_sees_one_token_trained_amiss(family_cases) -> None:
+    """A marked copy that also trains the newline after Phi-3's <|end|> differs from forgeline's mask
+    by one token per reply: the comparison above would see such a mistake."""
+    tokenizer, _, [messages, *_] = family_cases["Phi-3"]
+    wrong = marked(PHI3, (r"{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}",
+                          r"{{'<|assistant|>\n'}}{% generation %}{{message['content'] + '<|end|>\n'}}"
+                          r"{% endgeneration %}"))
+    out = tokenizer.apply_chat_template(messages, chat_template=wrong, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    ours = render(tokenizer, messages)
+    assert ours.ids.tolist() == list(out["input_ids"])
+    replies = sum(message["role"] == "assistant" for message in messages)
+    assert int((ours.mask != np.array(out["assistant_masks"])).sum()) == replies
