@@ -18,7 +18,8 @@ mapped to tokens by their offsets: a token is trained when it covers a trained c
 tests/unit/test_chat_families.py checks each template family's trained tokens by hand).
 
 `render_pieces` splits a conversation longer than a row at turn boundaries instead of cutting it
-(the data stage's way); `sft.train_on` picks every assistant turn or the last one.
+(the data stage's way); `sft.train_on` picks every assistant turn or the last one, and a message's
+own `train` (true or false) overrides it for that turn (`trained_turns`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from jinja2 import TemplateError
@@ -40,7 +41,7 @@ from forgeline.eval.chat import end_of_turn, special_tokens
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-Message = dict[str, str]
+Message = dict[str, Any]  # role and content (str); an assistant's tool_calls; train (bool), where given
 TrainOn = Literal["all_assistant", "last_assistant"]  # sft.train_on
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # as transformers finds the markers
 # Llama 3.1+ templates write today's date into the system header (strftime_now) unless given
@@ -70,11 +71,25 @@ class Pieces:
 
 def conversation_text(messages: list[Message]) -> str:
     """A conversation as the JSON text the data stage carries it in (its identity for the split,
-    mixing and dedup): roles and contents in order, and an assistant turn's tool calls where it
-    has them."""
+    mixing and dedup): roles and contents in order, an assistant turn's tool calls where it has
+    them, and a message's `train` where it is given."""
     return json.dumps([{"role": m["role"], "content": m["content"],
-                        **({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {})}
+                        **({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {}),
+                        **({"train": m["train"]} if "train" in m else {})}
                        for m in messages], ensure_ascii=False)
+
+
+def trained_turns(messages: list[Message], train_on: TrainOn = "all_assistant") -> list[int]:
+    """The indices of the assistant turns a conversation trains, in order: those `train_on` names
+    (every one, or the last), less those whose message says `"train": false`, plus those whose
+    message says `"train": true`. Only an assistant turn is ever trained."""
+    assistants = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    return [i for i in assistants
+            if messages[i].get("train", train_on == "all_assistant" or i == assistants[-1])]
+
+
+def _explicit(messages: list[Message]) -> bool:
+    return any("train" in message for message in messages)
 
 
 def conversation_of(text: str) -> list[Message]:
@@ -139,20 +154,27 @@ def render_pieces(tokenizer: PreTrainedTokenizerBase, messages: list[Message], m
     """`messages` rendered whole when they fit in `max_tokens`; else split at turn boundaries into
     pieces that do, each the system turn (if any) and consecutive exchanges -- an exchange runs
     from a user turn to the next user turn that follows another role --, as many as fit, in order;
-    with `last_assistant`, the one piece of the most exchanges that fit and end the conversation.
-    An exchange that does not fit alone (with the system turn) is dropped and counted."""
+    with `last_assistant`, the one piece of the most exchanges that fit and end with the last reply
+    (as many pieces as with `all_assistant` where a message's `train` trains an earlier turn too).
+    A piece that trains no turn is left out (so none where no turn is trained); an exchange with
+    a trained turn that does not fit alone (with the system turn) is dropped and counted."""
     template = _template_text(tokenizer, chat_template)
+    trained = set(trained_turns(messages, train_on))
+    if not trained:
+        return Pieces([], 0)
     if _length(tokenizer, template, messages) <= max_tokens:
         return Pieces([(messages, render(tokenizer, messages, None, template, train_on))], 0)
     system = messages[:1] if messages[0]["role"] == "system" else []
     exchanges = _exchanges(messages[len(system):])
+    starts = np.cumsum([len(system)] + [len(exchange) for exchange in exchanges])  # each one's first message
+    has_trained = [any(starts[n] <= i < starts[n + 1] for i in trained) for n in range(len(exchanges))]
 
     def fits(first: int, end: int) -> bool:
         return _length(tokenizer, template, system + _joined(exchanges[first:end])) <= max_tokens
 
     spans, dropped = [], 0  # spans: (first, end) exchanges of each piece
-    if train_on == "last_assistant":
-        last = max(n for n, exchange in enumerate(exchanges) if _has_reply(exchange)) + 1
+    if train_on == "last_assistant" and sum(has_trained) == 1:
+        last = has_trained.index(True) + 1
         if fits(last - 1, last):
             spans.append((last - _furthest(lambda count: fits(last - count, last), last), last))
         else:
@@ -166,11 +188,16 @@ def render_pieces(tokenizer: PreTrainedTokenizerBase, messages: list[Message], m
                 spans.append((first, end))
                 first = end
             else:
-                dropped += _has_reply(exchanges[first])
+                dropped += has_trained[first]
                 first += 1
-    pieces = [system + _joined(exchanges[a:b]) for a, b in spans]
-    return Pieces([(piece, render(tokenizer, piece, None, template, train_on))
-                   for piece in pieces if any(m["role"] == "assistant" for m in piece)], dropped)
+    # A piece is rendered with each of its turns trained as in the whole conversation (a piece's
+    # last reply is not the conversation's), and returned as the conversation's own messages.
+    resolved = ([{**message, "train": i in trained} if message["role"] == "assistant" else message
+                 for i, message in enumerate(messages)] if _explicit(messages) else messages)
+    pieces = [[*range(len(system)), *range(starts[a], starts[b])] for a, b in spans if any(has_trained[a:b])]
+    return Pieces([([messages[i] for i in piece],
+                    render(tokenizer, [resolved[i] for i in piece], None, template, train_on))
+                   for piece in pieces], dropped)
 
 
 def _furthest(fits: Callable[[int], bool], most: int) -> int:
@@ -200,10 +227,6 @@ def _joined(exchanges: list[list[Message]]) -> list[Message]:
     return [turn for exchange in exchanges for turn in exchange]
 
 
-def _has_reply(exchange: list[Message]) -> bool:
-    return any(turn["role"] == "assistant" for turn in exchange)
-
-
 def _length(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[Message]) -> int:
     return len(_encode(tokenizer, _render_text(tokenizer, template, messages), messages)[0])
 
@@ -218,7 +241,8 @@ def _template_text(tokenizer: PreTrainedTokenizerBase, chat_template: str | None
 def assistant_spans(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[Message],
                     train_on: TrainOn = "all_assistant") -> tuple[str, list[tuple[int, int]]]:
     """The conversation's text and, in order, the character spans of it that the assistant turns
-    `train_on` names train: each turn's content and the end-of-turn token that closes it.
+    `train_on` (and each message's `train`: `trained_turns`) names train: each turn's content and
+    the end-of-turn token that closes it.
 
     A template with `{% generation %}` markers says it itself (transformers' renderer, as
     apply_chat_template(..., return_assistant_tokens_mask=True) reads them). Otherwise a turn's
@@ -242,7 +266,14 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, template: str, messages:
         [text], [spans] = render_jinja_template(conversations=[messages], chat_template=template,
                                                 return_assistant_tokens_mask=True,
                                                 **tokenizer.special_tokens_map, **TEMPLATE_VALUES)
-        if train_on == "last_assistant":  # the spans after the turns before the last reply
+        if _explicit(messages):  # the generation blocks are the assistant turns', one each
+            if len(spans) != len(assistants):
+                raise ChatTemplateError(
+                    f"the chat template's {{% generation %}} blocks ({len(spans)}) are not one per assistant "
+                    f"turn ({len(assistants)}), so a message's `train` cannot be applied")
+            keep = set(trained_turns(messages, train_on))
+            spans = [span for i, span in zip(assistants, spans, strict=True) if i in keep]
+        elif train_on == "last_assistant":  # the spans after the turns before the last reply
             before = _render_text(tokenizer, template, messages[:assistants[-1]])
             spans = ([span for span in spans if span[0] >= len(before)] if text.startswith(before)
                      else spans[-1:])
@@ -252,7 +283,7 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, template: str, messages:
     specials = special_tokens(tokenizer)
     ends = _marked(tokenizer, template, messages, text,
                    lambda lead, core, trail, mark: lead + core + mark + trail)
-    turns = assistants[-1:] if train_on == "last_assistant" else assistants
+    turns = trained_turns(messages, train_on)
     spans, starts = [], None
     for i in turns:
         end = ends[assistants.index(i)]

@@ -398,7 +398,8 @@ def conversation_record(source: SourceConfig, record: dict) -> list[dict]:
 
 def conversation_message(source: SourceConfig, message: object) -> dict:
     """A message of the OpenAI shape ({role, content}, the content a string or a list of text
-    parts, an assistant's `tool_calls`) or of ShareGPT's ({from, value})."""
+    parts, an assistant's `tool_calls`) or of ShareGPT's ({from, value}); either with an optional
+    `train` (true or false: whether the turn is trained, overriding sft.train_on)."""
     if not isinstance(message, dict):
         raise TypeError(f"a message is {type(message).__name__}, not an object")
     sharegpt = "from" in message and "role" not in message
@@ -409,6 +410,10 @@ def conversation_message(source: SourceConfig, message: object) -> dict:
     out = {"role": role_name(role, source.roles), "content": message_content(content)}
     if message.get("tool_calls"):
         out["tool_calls"] = message["tool_calls"]
+    if "train" in message:  # whether the turn is trained, whatever sft.train_on says (chat.py trained_turns)
+        if not isinstance(message["train"], bool):
+            raise TypeError(f"a message's train is {message['train']!r}, not true or false")
+        out["train"] = message["train"]
     return out
 
 

@@ -42,7 +42,13 @@ from tokenizers import Tokenizer
 
 from forgeline.configs.schema import CleaningConfig
 from forgeline.model.training.shards import write_shard
-from forgeline.tasks.data.chat import ChatTemplateError, conversation_of, load_chat_tokenizer, render_pieces
+from forgeline.tasks.data.chat import (
+    ChatTemplateError,
+    conversation_of,
+    load_chat_tokenizer,
+    render_pieces,
+    trained_turns,
+)
 from forgeline.tasks.data.clean import Cleaned, clean_conversation, clean_document, lsh_bands
 from forgeline.tasks.data.snapshot import Member, read_member
 
@@ -393,19 +399,23 @@ def render_piece(work: PieceWork, texts_sources: list[tuple[str, int]], names: l
     turn boundaries into pieces that fit: their token ids and loss masks one after the other, and
     per conversation piece its length, source, whether it is its conversation's first and its loss
     tokens; the validation split's pieces also as text (val_docs.jsonl). A conversation the
-    template rejects is dropped (template_rejects), and one of which no exchange fits in a row
-    (too_long), not the stage. Returns per source index [conversations, tokens, conversations
+    template rejects is dropped (template_rejects), one of which no exchange fits in a row
+    (too_long), and one whose messages' `"train": false` leave no reply trained (no_trained_turn),
+    not the stage. Returns per source index [conversations, tokens, conversations
     split, loss tokens, dropped conversations by reason, exchanges dropped, examples of drops]."""
     plan, tokenizer = work.plan, load_chat_tokenizer(work.chat.tokenizer)
     rendered, dropped, dropped_turns, several, examples = [], {}, {}, {}, {}
     for (text, source), name in zip(texts_sources, names, strict=True):
+        messages = conversation_of(text)
         try:
-            split = render_pieces(tokenizer, conversation_of(text), work.chat.row_tokens,
-                                  train_on=work.chat.train_on)
+            split = render_pieces(tokenizer, messages, work.chat.row_tokens, train_on=work.chat.train_on)
         except ChatTemplateError as err:
             reason, why = "template_rejects", str(err)
         else:
-            reason, why = (None, "") if split.rendered else ("too_long", "no exchange fits in a row")
+            reason, why = ((None, "") if split.rendered
+                           else ("too_long", "no exchange fits in a row")
+                           if trained_turns(messages, work.chat.train_on)
+                           else ("no_trained_turn", 'every assistant turn says "train": false'))
         if reason is not None:
             counts = dropped.setdefault(source, {})
             counts[reason] = counts.get(reason, 0) + 1

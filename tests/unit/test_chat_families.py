@@ -8,17 +8,27 @@ last_assistant`, and a conversation longer than a row split at turn boundaries."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from forgeline.configs.schema import CleaningConfig
+from forgeline.configs.schema import CleaningConfig, SourceConfig
 from forgeline.eval.chat import end_of_turn, end_of_turn_id
+from forgeline.tasks.cache import stage_inputs
 from forgeline.tasks.data import work as w
-from forgeline.tasks.data.build import files_named_by_path
-from forgeline.tasks.data.chat import ChatTemplateError, conversation_text, render, render_pieces
+from forgeline.tasks.data.chat import (
+    ChatTemplateError,
+    conversation_of,
+    conversation_text,
+    render,
+    render_pieces,
+    trained_turns,
+)
+from forgeline.tasks.data.sources import conversation_record
+from forgeline.tasks.stage import stage_named
 from tests.conftest import debug_config
 
 LLAMA3 = (
@@ -291,8 +301,10 @@ def test_sft_train_on_is_part_of_the_data_stages_cache_key(tmp_path) -> None:
     """The masks follow sft.train_on: a change must rebuild the data, not replay it."""
     cfg = debug_config(tmp_path, "sft.lora=null", "data.sources=[{kind: chitchat}]")
     last = cfg.with_values({"sft.train_on": "last_assistant"})
-    assert files_named_by_path(cfg) == {"sft.train_on": "all_assistant"}
-    assert files_named_by_path(last) == {"sft.train_on": "last_assistant"}
+    data = stage_named("data")
+    Path(cfg.data.raw_dir).mkdir()  # the snapshot's hash is in the key too
+    assert stage_inputs(data, cfg)["params"]["sft.train_on"] == "all_assistant"
+    assert stage_inputs(data, last)["params"]["sft.train_on"] == "last_assistant"
 
 
 def test_a_template_that_writes_todays_date_renders_the_same_every_day() -> None:
@@ -301,3 +313,72 @@ def test_a_template_that_writes_todays_date_renders_the_same_every_day() -> None
     dated = ("{%- if not date_string is defined %}{%- set date_string = strftime_now('%d %b %Y') %}"
              "{%- endif %}{{- 'Today Date: ' + date_string + '\\n' }}" + LLAMA3)
     assert render(tokenizer, CHAT, chat_template=dated).text.startswith("Today Date: 26 Jul 2024\n")
+
+
+def test_a_message_with_train_false_is_not_trained_even_an_assistant_turn() -> None:
+    """A message's "train": false keeps its turn out of the loss (train_on: all_assistant, and a
+    template with generation markers alike); the turn stays in the text, as context."""
+    skipped = [SYSTEM, CHAT[0], {**CHAT[1], "train": False}, *CHAT[2:]]
+    for family in ("qwen2", "llama3", "generation-markers"):
+        tokenizer = family_tokenizer(family)
+        rendered = render(tokenizer, skipped)
+        assert trained_runs(tokenizer, rendered.ids, rendered.mask) == TRAINED[family][0][1:], family
+        assert rendered.ids.tolist() == render(tokenizer, [SYSTEM, *CHAT]).ids.tolist()
+    last = [SYSTEM, *CHAT[:3], {**CHAT[3], "train": False}]
+    tokenizer = family_tokenizer("qwen2")
+    rendered = render(tokenizer, last, train_on="last_assistant")
+    assert trained_runs(tokenizer, rendered.ids, rendered.mask) == []
+    # nothing to learn: no piece (the data stage drops it as no_trained_turn)
+    assert render_pieces(tokenizer, last, 10_000, train_on="last_assistant").rendered == []
+
+
+def test_train_true_trains_an_assistant_turn_under_last_assistant() -> None:
+    tokenizer = family_tokenizer("qwen2")
+    marked = [SYSTEM, CHAT[0], {**CHAT[1], "train": True}, *CHAT[2:]]
+    rendered = render(tokenizer, marked, train_on="last_assistant")
+    assert trained_runs(tokenizer, rendered.ids, rendered.mask) == ["Paris.<|im_end|>", "Berlin.<|im_end|>"]
+    assert render(tokenizer, marked, train_on="last_assistant").mask.tolist() == rendered.mask.tolist()
+    markers = family_tokenizer("generation-markers")
+    rendered = render(markers, marked, train_on="last_assistant")
+    assert trained_runs(markers, rendered.ids, rendered.mask) == ["Paris.<|im_end|>", "Berlin.<|im_end|>"]
+    assert trained_turns(marked, "last_assistant") == [2, 4]
+    assert trained_turns(marked[:4], "last_assistant") == [2]
+
+
+def test_a_long_conversation_trains_its_marked_turns_in_every_piece() -> None:
+    """Split to fit a row under last_assistant, a conversation trains the reply that says
+    "train": true in its own piece and the last reply in its, and no other: a piece's last reply
+    is not the conversation's. The same pieces every time."""
+    tokenizer = family_tokenizer("qwen2")
+    messages = [SYSTEM, *exchange(1), *exchange(2), *exchange(3), *exchange(4)]
+    messages[4] = {**messages[4], "train": True}  # Answer 2.
+    two = len(render(tokenizer, [SYSTEM, *exchange(1), *exchange(2)]).ids)
+    pieces = render_pieces(tokenizer, messages, two + 2, train_on="last_assistant")
+    assert [[turn["content"] for turn in piece] for piece, _ in pieces.rendered] == [
+        ["Be brief.", "Question 1?", "Answer 1.", "Question 2?", "Answer 2."],
+        ["Be brief.", "Question 3?", "Answer 3.", "Question 4?", "Answer 4."]]
+    assert pieces.rendered[0][0][4] is messages[4]  # the conversation's own messages
+    assert [trained_runs(tokenizer, rendered.ids, rendered.mask) for _, rendered in pieces.rendered] == [
+        ["Answer 2.<|im_end|>"], ["Answer 4.<|im_end|>"]]
+    again = render_pieces(tokenizer, messages, two + 2, train_on="last_assistant")
+    assert [rendered.mask.tolist() for _, rendered in again.rendered] == [
+        rendered.mask.tolist() for _, rendered in pieces.rendered]
+
+
+def test_a_messages_train_is_read_carried_and_counted(tmp_path) -> None:
+    """`train` is read from a `messages` record, kept in the conversation's text, and a conversation
+    that trains no turn is dropped as no_trained_turn, not as too_long."""
+    source = SourceConfig(kind="files", path=str(tmp_path / "chats.jsonl"), format="messages")
+    record = {"messages": [{"role": "user", "content": "Hi"},
+                           {"role": "assistant", "content": "Hello", "train": False}]}
+    messages = conversation_record(source, record)
+    assert messages[1]["train"] is False and conversation_of(conversation_text(messages)) == messages
+    with pytest.raises(TypeError, match="train is 'no', not true or false"):
+        conversation_record(source, {"messages": [{"role": "assistant", "content": "Hi", "train": "no"}]})
+    tokenizer = family_tokenizer("qwen2")
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    plan = w.Plan(str(tmp_path / "work"), "", CleaningConfig(), ("chats",), (1.0,), 0.1, 1, (0,), True)
+    (tmp_path / "work" / "tokens").mkdir(parents=True)
+    work = w.PieceWork(0, "train", 1, "", 0, "<u4", plan, w.ChatWork(str(tmp_path / "tokenizer"), 512))
+    [counts] = w.render_piece(work, [(conversation_text(messages), 0)], ["a"]).values()
+    assert counts[0] == 0 and counts[4] == {"no_trained_turn": 1}
