@@ -80,9 +80,13 @@ def reproduce_flow(config: str, overrides: list[str], reproduces: str) -> tuple[
     apply_environment_defaults()
     cfg = flow_config(config, overrides)
     tags = prefect_tags() | {REPRODUCES_TAG: reproduces}
+    stages = reproduced_stages(cfg)
+    name = run_name("reproduce", cfg, with_layout=True)
     with (credentials_masked_in_errors(), final_states_recorded() as states,
-          tracked_run(cfg, run_name("reproduce", cfg, with_layout=True), tags=tags) as parent):
+          tracked_run(cfg, name, tags=tags) as parent):
+        label_flow_run(name, ["reproduce", *run_labels(cfg, [stage.name for stage in stages], True),
+                              f"reproduces:{reproduces}"], parent.run_id)
         results = {stage.name: states.run(configured_task(stage, cfg), cfg, parent.run_id, True)
-                   for stage in reproduced_stages(cfg)}
-        states.message = f"MLflow run {parent.run_id}"
+                   for stage in stages}
+        states.message = f"{states.summary()}; MLflow run {parent.run_id}"
     return parent.run_id, results["eval"].metrics

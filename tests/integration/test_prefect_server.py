@@ -1,6 +1,7 @@
 """A stage run against a real `prefect server start` named by PREFECT_API_URL (no temporary
 server): the flow run, its stage task run and the data build's partition work (Prefect task runs
-on the local Dask cluster) are recorded by that server."""
+on the local Dask cluster) are recorded by that server, and forgeline's events are among the flow
+run's logs there (a worker's flow run: tests/integration/test_deployments.py)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,10 @@ def test_stage_runs_against_the_server_in_prefect_api_url(tmp_path: Path, prefec
     assert {"data-clean-0", "data-exact-dedup-0", "data-near-dedup-0", "data-tokenize-train-0",
             "data-shards-train-0"} <= set(names), names
     assert (workdir / load_config("debug.yaml").data.out_dir / "manifest.json").is_file()
+    assert flow_run["name"].startswith("stage data debug @") and "stage:data" in flow_run["tags"]
+    logs = httpx.post(f"{prefect_server}/logs/filter", timeout=30, json={
+        "logs": {"flow_run_id": {"any_": [flow_run["id"]]}}, "limit": 200}).json()
+    forgeline = "\n".join(entry["message"] for entry in logs if entry["name"].startswith("forgeline"))
+    for event in ("stage data runs (no record of an earlier run)",
+                  "documents read, cleaned and deduplicated"):
+        assert event in forgeline, forgeline
