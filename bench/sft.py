@@ -20,9 +20,9 @@ same rows:
                   TrainStep (a single-process gloo group): document masking, positions counted from
                   each conversation's start, loss on the masked targets (their sum over their count)
     transformers  AutoModelForCausalLM.from_pretrained(dir, dtype=float32) + torch.optim.AdamW (its
-                  default implementation, as in bench/cpt.py; forgeline's is fused), on
-                  the same packed rows: position_ids reset at each conversation, a (B, 1, T, T)
-                  boolean attention mask, causal within each conversation and blocking every other
+                  fused kernel, as forgeline's: bench/cpt.py), on the same packed rows:
+                  position_ids reset at each conversation, a (B, 1, T, T) boolean attention
+                  mask, causal within each conversation and blocking every other
                   (transformers uses a 4-D mask as given), labels = -100 outside the loss mask and
                   cross-entropy's mean over the rest (their sum over their count)
 
