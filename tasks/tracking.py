@@ -270,10 +270,11 @@ RUNS_VIEW_COLUMNS = ("eval/overall", "eval/stderr/overall", "train/final_loss", 
 
 
 def runs_view() -> str:
-    """RUNS_VIEW_TAG's value: the UI's column keys (`metrics.`eval/overall``), after its default ones."""
-    columns = [f"attributes.`{name}`" for name in ("Source", "Models", "Dataset")]
-    columns += [f"metrics.`{key}`" for key in RUNS_VIEW_COLUMNS] + ["tags.`forgeline.model_version`"]
-    return json.dumps({"selectedColumns": columns})
+    """RUNS_VIEW_TAG's value: the UI's column keys (`metrics.`eval/overall``), the scores first
+    (beside the run names: the table is narrow), then the model version and the dataset."""
+    columns = [f"metrics.`{key}`" for key in RUNS_VIEW_COLUMNS]
+    columns += ["tags.`forgeline.model_version`", "attributes.`Dataset`"]
+    return json.dumps({"selectedColumns": columns, "columnOrder": columns})
 
 
 def experiment_id(client: MlflowClient, cfg: Config) -> str:
