@@ -99,8 +99,8 @@ def clean_conversation(data: bytes | None, cfg: CleaningConfig, with_signature: 
     if any(m.get("tool_calls") for m in turns):
         return Cleaned("tool_calls")  # the calls are not rendered yet: the turn would train as empty
     # Whitespace inside a turn is kept (a code answer's indentation); an empty system turn says
-    # nothing and is left out, not its conversation.
-    messages = [{"role": m["role"], "content": m["content"]} for m in turns
+    # nothing and is left out, not its conversation. A message's `train` (chat.py) goes with it.
+    messages = [{key: m[key] for key in ("role", "content", "train") if key in m} for m in turns
                 if m["role"] != "system" or m["content"].strip()]
     if not any(m["content"].strip() for m in messages):
         return Cleaned("empty")

@@ -252,6 +252,15 @@ def test_an_assistant_turn_with_tool_calls_is_read_and_dropped_with_its_reason(t
     assert cleaned.removed_by == "tool_calls"
 
 
+def test_a_messages_train_setting_survives_cleaning(tmp_path: Path) -> None:
+    record = {"messages": [{"role": "user", "content": "Hi"},
+                           {"role": "assistant", "content": "Hello.", "train": False},
+                           {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]}
+    [chat] = read_conversations(tmp_path, [record])
+    cleaned = clean_conversation(json.dumps(chat).encode(), CleaningConfig(), with_signature=False)
+    assert [m.get("train") for m in json.loads(cleaned.text)] == [None, False, None, None]
+
+
 def test_alpaca_records_with_a_system_field_are_read(tmp_path: Path) -> None:
     records = [{"instruction": "Add", "input": "2 and 3", "output": "5", "system": "Be exact."},
                {"instruction": "Greet", "output": "Hi"}]
