@@ -1,7 +1,10 @@
 """prefect.yaml against a real `prefect server start` and a process worker on 127.0.0.1:
 `forgeline deploy` registers the deployments; the pipeline deployment runs end to end, and the
 eval stage's deployment, given that run as `upstream_run`, evaluates the data and checkpoint
-that run wrote (in directories the eval config does not name)."""
+that run wrote (in directories the eval config does not name), then skips it as cached when run
+again. What a person reads in Prefect is checked through its API: forgeline's log lines in the
+worker's flow run, the run and task run names and tags, the register and eval artifacts, the
+Cached state, the run form's parameter descriptions."""
 
 from __future__ import annotations
 
@@ -59,15 +62,45 @@ def mlflow_run_of(client: MlflowClient, flow_run_id: str):
     return found
 
 
+def flow_run_logs(api: str, flow_run_id: str) -> list[dict]:
+    logs: list[dict] = []
+    while batch := httpx.post(f"{api}/logs/filter", timeout=30, json={
+            "logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_ASC", "limit": 200,
+            "offset": len(logs)}).json():
+        logs += batch
+    return logs
+
+
+def stage_task_runs(api: str, flow_run_id: str) -> list[dict]:
+    """The stage task runs of a flow run (not the data build's partition work)."""
+    task_runs = httpx.post(f"{api}/task_runs/filter", timeout=30,
+                           json={"flow_runs": {"id": {"any_": [flow_run_id]}}}).json()
+    return [run for run in task_runs if any(tag.startswith("stage:") for tag in run["tags"])]
+
+
+def artifacts_of(api: str, flow_run_id: str) -> dict[str, dict]:
+    found = httpx.post(f"{api}/artifacts/filter", timeout=30,
+                       json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}).json()
+    return {artifact["key"]: artifact for artifact in found}
+
+
 def test_deployments_run_the_pipeline_and_a_stage_on_its_outputs(worker: Path, prefect_server: str,
                                                                  tmp_path: Path) -> None:
     api = prefect_server
     scheduled = httpx.get(f"{api}/deployments/name/forgeline-pipeline/scheduled", timeout=30).json()
     assert scheduled["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
     assert scheduled["global_concurrency_limit"]["limit"] == 1
-    stage_names = {"forgeline-data", "forgeline-train", "forgeline-eval", "forgeline-register"}
-    for flow in stage_names:
-        assert httpx.get(f"{api}/deployments/name/{flow}/manual", timeout=30).status_code == 200
+    assert "03:00 UTC" in scheduled["description"]
+    # The run form: `config` a string, every parameter described (from the flow's docstring).
+    form = scheduled["parameter_openapi_schema"]
+    assert form["properties"]["config"]["anyOf"] == [{"type": "string"}, {"type": "null"}]
+    assert not form.get("definitions")  # no nested Config model
+    assert "section.key=value" in form["properties"]["overrides"]["description"]
+    assert "Cached" in form["properties"]["force"]["description"]
+    for stage in ("data", "train", "eval", "register"):
+        deployment = httpx.get(f"{api}/deployments/name/forgeline-{stage}/rerun-{stage}", timeout=30).json()
+        assert "earlier pipeline or stage run" in \
+            deployment["parameter_openapi_schema"]["properties"]["upstream_run"]["description"]
 
     pipeline = run_deployment(api, "forgeline-pipeline/scheduled",
                               {"config": "debug.yaml", "overrides": RUN1})
@@ -77,9 +110,34 @@ def test_deployments_run_the_pipeline_and_a_stage_on_its_outputs(worker: Path, p
     earlier = mlflow_run_of(client, pipeline["id"])
     assert earlier.data.tags["forgeline.train.out_dir"] == str(worker / "run1" / "train")
 
+    # forgeline's events, in the flow run a worker started: none reached it before issue #40.
+    lines = [entry["message"] for entry in flow_run_logs(api, pipeline["id"])
+             if entry["name"].startswith("forgeline")]
+    text = "\n".join(lines)
+    for event in ("stage data runs (no record of an earlier run)", "[rank0] model:", "step 20/20  loss",
+                  "eval scores:", "registered forgeline-debug version 1",
+                  "forgeline-debug version 1 is now @champion"):
+        assert event in text, f"{event!r} not among the flow run's {len(lines)} forgeline log lines:\n{text}"
+    print(f"forgeline log lines in the scheduled deployment's flow run: {len(lines)}")
+    # Names and tags that tell the run apart, its MLflow run among them.
+    assert pipeline["name"].startswith("pipeline debug dp1 @"), pipeline["name"]
+    assert {"stage:train", "config:debug", "model:forgeline-debug", "layout:dp1",
+            f"mlflow:{earlier.info.run_id}"} <= set(pipeline["tags"])
+    assert any(tag.startswith("commit:") for tag in pipeline["tags"])
+    assert pipeline["state"]["message"].startswith("ran data, train, eval, register; MLflow run "
+                                                   f"{earlier.info.run_id}: ")
+    assert sorted(run["name"].split(" @")[0] for run in stage_task_runs(api, pipeline["id"])) == [
+        "data debug", "eval debug", "register debug", "train debug dp1"]
+    # The register artifact: the version, the aliases and the decision, under this run's key.
+    artifacts = artifacts_of(api, pipeline["id"])
+    register = artifacts[f"forgeline-pipeline-register-{earlier.info.run_id}"]["data"]
+    assert "## forgeline-debug version 1: promoted" in register
+    assert "@champion -> v1 (no champion before)" in register
+    assert f"forgeline-pipeline-eval-{earlier.info.run_id}" in artifacts
+
     # The eval config names its run's directories, which do not exist: only the reuse of the
     # earlier run's outputs lets it run.
-    stage = run_deployment(api, "forgeline-eval/manual",
+    stage = run_deployment(api, "forgeline-eval/rerun-eval",
                            {"config": "debug.yaml", "upstream_run": earlier.info.run_id})
     assert stage["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-6000:]
     default = load_config("debug.yaml")
@@ -96,3 +154,15 @@ def test_deployments_run_the_pipeline_and_a_stage_on_its_outputs(worker: Path, p
     train_dir = earlier.data.tags["forgeline.train.out_dir"]
     assert stamp["inputs"]["upstream"][train_dir] == earlier.data.tags["forgeline.train.outputs_md5"]
     assert "eval/overall" in rerun.data.metrics
+    assert f"upstream:{earlier.info.run_id}" in stage["tags"]
+    assert f"forgeline-eval-eval-{rerun.info.run_id}" in artifacts_of(api, stage["id"])  # not the pipeline's
+
+    # Again: the stage cache skips it, and its task run says so.
+    again = run_deployment(api, "forgeline-eval/rerun-eval",
+                           {"config": "debug.yaml", "upstream_run": earlier.info.run_id})
+    assert again["state"]["type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-6000:]
+    assert again["state"]["message"].startswith("cached eval; MLflow run ")
+    [cached] = stage_task_runs(api, again["id"])
+    assert (cached["state"]["type"], cached["state"]["name"]) == ("COMPLETED", "Cached")
+    assert "inputs unchanged and outputs verified" in cached["state"]["message"]
+    assert any("reusing run" in entry["message"] for entry in flow_run_logs(api, again["id"]))
