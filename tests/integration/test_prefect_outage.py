@@ -110,7 +110,7 @@ def test_train_finishes_without_the_prefect_api_and_sync_reports_it(data_root: P
         assert flow_run["state"]["type"] == "COMPLETED"
         task_runs = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}},
                                timeout=30).json()
-        assert [(t["name"].split("-")[0], t["state"]["type"]) for t in task_runs] == [("train", "COMPLETED")]
+        assert [(t["name"].split(" ")[0], t["state"]["type"]) for t in task_runs] == [("train", "COMPLETED")]
 
         again = run([str(VENV_BIN / "forgeline"), "sync"], workdir, env={"PREFECT_API_URL": api})
         assert "none pending" in again.stdout
