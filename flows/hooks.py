@@ -18,7 +18,7 @@ from prefect.settings import PREFECT_UI_URL
 
 from forgeline.configs import Config, ConfigError, load_config
 from forgeline.configs.redaction import install_log_scrubber, scrub
-from forgeline.tasks.tracking import config_label, git_info, layout_label
+from forgeline.tasks.tracking import config_label, git_info, layout_label, run_link
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,13 @@ def run_labels(cfg: Config, stages: Iterable[str], with_layout: bool) -> list[st
     if with_layout:
         tags.append(f"layout:{layout_label(cfg)}")
     return [*tags, f"commit:{commit}"]
+
+
+def mlflow_link(cfg: Config, run_id: str) -> str:
+    """`MLflow run <id>: <its page in MLflow's UI>`, for a flow run's final message: a state's
+    message is no log record, which the scrubbing filter would mask, so the store's URI is masked
+    here."""
+    return scrub(f"MLflow run {run_id}: {run_link(cfg, run_id)}")
 
 
 def label_flow_run(name: str, tags: list[str], mlflow_run_id: str) -> None:

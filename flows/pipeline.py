@@ -11,12 +11,19 @@ from prefect.states import Completed
 
 from forgeline.configs.environment import apply_environment_defaults
 from forgeline.configs.redaction import credentials_masked_in_errors
-from forgeline.flows.hooks import flow_config, label_flow_run, notify_failure, prefect_tags, run_labels
+from forgeline.flows.hooks import (
+    flow_config,
+    label_flow_run,
+    mlflow_link,
+    notify_failure,
+    prefect_tags,
+    run_labels,
+)
 from forgeline.flows.orchestrator import final_states_recorded, forget_reported_states
 from forgeline.flows.stage_flows import configured_task
 from forgeline.tasks.reproduce import REPRODUCES_TAG, reproduced_stages
 from forgeline.tasks.stage import pipeline_stages
-from forgeline.tasks.tracking import run_link, run_name, tracked_run
+from forgeline.tasks.tracking import run_name, tracked_run
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,7 @@ def pipeline_flow(config: str | None = None, overrides: list[str] | None = None,
                        parent.run_id)
         results = {stage.name: states.run(configured_task(stage, cfg), cfg, parent.run_id, force)
                    for stage in stages}
-        states.message = f"{states.summary()}; MLflow run {parent.run_id}: {run_link(cfg, parent.run_id)}"
+        states.message = f"{states.summary()}; {mlflow_link(cfg, parent.run_id)}"
     registered, evaluation = results["register"], results["eval"]
     result = PipelineResult(run_id=parent.run_id, model_name=registered.model_name,
                             model_version=registered.version, promotion=registered.promotion,

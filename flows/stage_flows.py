@@ -24,11 +24,18 @@ from prefect.tasks import exponential_backoff
 from forgeline.configs import Config
 from forgeline.configs.environment import apply_environment_defaults
 from forgeline.configs.redaction import credentials_masked_in_errors
-from forgeline.flows.hooks import flow_config, label_flow_run, notify_failure, prefect_tags, run_labels
+from forgeline.flows.hooks import (
+    flow_config,
+    label_flow_run,
+    mlflow_link,
+    notify_failure,
+    prefect_tags,
+    run_labels,
+)
 from forgeline.flows.orchestrator import API_ERRORS, CACHED, final_states_recorded, forget_reported_states
 from forgeline.tasks.runner import UPSTREAM_RUN_TAG, StageRun, reads_layout, tracked_stage, upstream_outputs
 from forgeline.tasks.stage import STAGE_NAMES, STAGES, Stage, resolve, stage_named
-from forgeline.tasks.tracking import run_link, run_name, tracked_run
+from forgeline.tasks.tracking import run_name, tracked_run
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +136,7 @@ def _run_one_stage(stage: Stage, config: Config | str | None, overrides: list[st
     with final_states_recorded() as states, tracked_run(cfg, name, tags=tags) as parent:
         label_flow_run(name, labels, parent.run_id)
         result = states.run(configured_task(stage, cfg), cfg, parent.run_id, force, from_snapshot)
-        states.message = f"{states.summary()}; MLflow run {parent.run_id}: {run_link(cfg, parent.run_id)}"
+        states.message = f"{states.summary()}; {mlflow_link(cfg, parent.run_id)}"
     return Completed(message=states.message, data=result)  # the caller gets `result`
 
 
