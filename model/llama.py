@@ -399,20 +399,27 @@ class Transformer(nn.Module):
         return rope_cache(shape.head_dim, shape.max_seq_len, shape.rope_theta, scaling=shape.rope_scaling)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, outputs: torch.Tensor | None = None) -> torch.Tensor:
         """With `cache`, `tokens` continue the positions it holds (incremental decoding).
 
         With `documents` (B, T) -- a number per token, equal within each document of a packed
         row and increasing along it -- a token attends only to its own document, and its rotary
         position counts from its document's first token: every document as if run alone. A
-        pipeline stage takes them too (its `tokens` are then hidden states)."""
+        pipeline stage takes them too (its `tokens` are then hidden states).
+
+        `outputs` (B, T) bool: the logits of those positions only, (N, V) in row order -- a
+        step whose loss counts some targets only (supervised fine-tuning's answers) skips the
+        vocabulary projection, a large share of a small model's step, for the rest. Not under
+        tensor parallelism (its states may be a share of the sequence)."""
         positions = mask = None
         if documents is not None:
             positions = document_positions(documents)
             short = documents.size(1) <= DENSE_MASK_MAX_LEN
             mask = dense_document_mask(documents) if short else DocumentSpans.of(documents)
         h = self.hidden_states(tokens, cache, positions, mask)
-        return self.logits(h) if self.output is not None else h  # (B, T, V)
+        if self.output is None:
+            return h  # (B, T, C)
+        return self.logits(h if outputs is None else h[outputs])  # (B, T, V), or (N, V)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(..., C) final states -> (..., V) logits."""

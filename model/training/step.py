@@ -198,7 +198,12 @@ class TrainStep:
             if self.schedule is not None:
                 scaled = self._pipelined(inputs, targets, model_kwargs, backward)
             else:
-                logits = self.parts[0](inputs, **model_kwargs)
+                if self._counted_logits_only():
+                    counted = targets != IGNORED  # (B, T)
+                    logits = self.parts[0](inputs, **model_kwargs, outputs=counted)[None]  # (1, N, V)
+                    targets = targets[counted][None]  # (1, N)
+                else:
+                    logits = self.parts[0](inputs, **model_kwargs)  # (B, T, V)
                 scaled = scaled_loss(logits, targets, self.grad_accum_steps, self.scaler, self.weight)
                 if backward:
                     scaled.backward()
@@ -206,6 +211,15 @@ class TrainStep:
             scaled = scaled.full_tensor()
         unscale = self.scaler.scale if self.scaler is not None else 1.0
         return scaled.detach() / unscale
+
+    def _counted_logits_only(self) -> bool:
+        """Whether the model projects only the positions whose targets count: targets are masked
+        (their token losses summed, so the others add nothing) and the output layer is not
+        tensor-parallel (its input may be a share of the sequence)."""
+        if self.weight.per_token is None:
+            return False
+        weight = self.parts[0].output.weight
+        return not (isinstance(weight, DTensor) and "tp" in (weight.device_mesh.mesh_dim_names or ()))
 
     def _pipelined(self, inputs: torch.Tensor, targets: torch.Tensor, model_kwargs: dict[str, torch.Tensor],
                    backward: bool = True) -> torch.Tensor:

@@ -146,3 +146,17 @@ def test_a_sliding_window_counts_positions_in_a_row_of_branches() -> None:
         packed = ours.logits(ours.hidden_states(row, positions=positions, mask=visible[None, None]))
         alone = theirs(torch.cat([context, second])[None]).logits
     assert (packed[:, 14:] - alone[:, 10:]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "phi3"])
+def test_the_logits_of_some_positions_are_those_of_the_whole_row(name: str) -> None:
+    """`outputs` (the train step's counted targets): the logits of those positions only, in row
+    order, as the whole rows' (soft-capping included), packed documents and all."""
+    ours, _ = import_hf(hf_model(name))
+    x = tokens()
+    documents = (torch.arange(x.size(1)) >= 6).int().expand_as(x)  # two documents a row
+    keep = torch.rand(x.shape, generator=torch.Generator().manual_seed(2)) < 0.4
+    with torch.no_grad():
+        some, whole = ours(x, documents=documents, outputs=keep), ours(x, documents=documents)
+        assert some.shape == (int(keep.sum()), COMMON["vocab_size"])
+        assert (some - whole[keep]).abs().max().item() <= 1e-6
