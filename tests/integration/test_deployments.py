@@ -62,13 +62,20 @@ def mlflow_run_of(client: MlflowClient, flow_run_id: str):
     return found
 
 
-def flow_run_logs(api: str, flow_run_id: str) -> list[dict]:
-    logs: list[dict] = []
-    while batch := httpx.post(f"{api}/logs/filter", timeout=30, json={
-            "logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_ASC", "limit": 200,
-            "offset": len(logs)}).json():
-        logs += batch
-    return logs
+def forgeline_lines(api: str, flow_run_id: str, events: tuple[str, ...], timeout: float = 60) -> list[str]:
+    """forgeline's log lines of the flow run, once `events` are among them or `timeout` has passed:
+    the run's process sends its last batch of log records as it exits, after its final state."""
+    deadline = time.monotonic() + timeout
+    while True:
+        logs: list[dict] = []
+        while batch := httpx.post(f"{api}/logs/filter", timeout=30, json={
+                "logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_ASC", "limit": 200,
+                "offset": len(logs)}).json():
+            logs += batch
+        lines = [entry["message"] for entry in logs if entry["name"].startswith("forgeline")]
+        if all(event in "\n".join(lines) for event in events) or time.monotonic() > deadline:
+            return lines
+        time.sleep(2)
 
 
 def stage_task_runs(api: str, flow_run_id: str) -> list[dict]:
@@ -111,13 +118,12 @@ def test_deployments_run_the_pipeline_and_a_stage_on_its_outputs(worker: Path, p
     assert earlier.data.tags["forgeline.train.out_dir"] == str(worker / "run1" / "train")
 
     # forgeline's events, in the flow run a worker started: none reached it before issue #40.
-    lines = [entry["message"] for entry in flow_run_logs(api, pipeline["id"])
-             if entry["name"].startswith("forgeline")]
-    text = "\n".join(lines)
-    for event in ("stage data runs (no record of an earlier run)", "[rank0] model:", "step 20/20  loss",
-                  "eval scores:", "registered forgeline-debug version 1",
-                  "forgeline-debug version 1 is now @champion"):
-        assert event in text, f"{event!r} not among the flow run's {len(lines)} forgeline log lines:\n{text}"
+    events = ("stage data runs (no record of an earlier run)", "[rank0] model:", "step 20/20  loss",
+              "eval scores:", "registered forgeline-debug version 1",
+              "forgeline-debug version 1 is now @champion")
+    lines = forgeline_lines(api, pipeline["id"], events)
+    for event in events:
+        assert event in "\n".join(lines), f"{event!r} not among the flow run's forgeline lines:\n{lines}"
     print(f"forgeline log lines in the scheduled deployment's flow run: {len(lines)}")
     # Names and tags that tell the run apart, its MLflow run among them.
     assert pipeline["name"].startswith("pipeline debug dp1 @"), pipeline["name"]
@@ -165,4 +171,5 @@ def test_deployments_run_the_pipeline_and_a_stage_on_its_outputs(worker: Path, p
     [cached] = stage_task_runs(api, again["id"])
     assert (cached["state"]["type"], cached["state"]["name"]) == ("COMPLETED", "Cached")
     assert "inputs unchanged and outputs verified" in cached["state"]["message"]
-    assert any("reusing run" in entry["message"] for entry in flow_run_logs(api, again["id"]))
+    reused = "inputs unchanged and outputs verified; reusing run"
+    assert reused in "\n".join(forgeline_lines(api, again["id"], (reused,)))
