@@ -749,14 +749,17 @@ def reproduce_run(args: argparse.Namespace) -> int:
     from forgeline.tasks.reproduce import check_code_version, compare, output_overrides, recorded_run
     from forgeline.tasks.tracking import dvc_hash
 
-    _, client = registry_client(args)
+    cfg, client = registry_client(args)
     recorded = recorded_run(client, args.run_id)
     check_code_version(recorded)
     root = Path(args.out or Path("reproduce") / args.run_id).resolve()
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.yaml").write_text(recorded.config_yaml)
     overrides = output_overrides(root)
-    tracking = [f"registry.tracking_uri={client.tracking_uri}"]
+    # The store the user named: a config's URI (configs refuse credentials) as an override; one
+    # from $MLFLOW_TRACKING_URI, which may hold a password, stays in the environment the flow
+    # reads, never in a flow parameter that Prefect stores and shows.
+    tracking = [f"registry.tracking_uri={cfg.registry.tracking_uri or 'null'}"]
     from forgeline.flows.pipeline import reproduce_flow
 
     run_id, scores = run_flow(reproduce_flow, dict(config=str(root / "config.yaml"),

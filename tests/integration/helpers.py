@@ -107,6 +107,7 @@ with get_client(sync_client=True) as client:
         work = [t for t in tasks if re.fullmatch(r"data-[a-z-]+-\d+", t.name)]
         stages = [t for t in tasks if t not in work]
         out.append({"id": str(fr.id), "flow": flow.name, "state": fr.state.type.value,
+                    "parameters": fr.parameters,
                     "tasks": sorted((t.name.split(" ")[0], t.state.type.value) for t in stages),
                     "task_run_counts": {t.name.split(" ")[0]: t.run_count for t in stages},
                     "partition_work": sorted((t.name, t.state.type.value) for t in work)})

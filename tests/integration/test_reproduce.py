@@ -10,7 +10,7 @@ import pytest
 from mlflow import MlflowClient
 
 from forgeline.tasks.reproduce import REPRODUCES_TAG
-from tests.integration.helpers import VENV_BIN, run
+from tests.integration.helpers import VENV_BIN, prefect_flow_runs, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.slow]
 
@@ -27,6 +27,10 @@ def test_a_recorded_run_reproduces_its_data_and_scores(tmp_path: Path) -> None:
     assert checked[0] == "data" and "overall:" in checked and len(checked) == 9  # data, overall, 7 dimensions
     assert all(line.split()[0] == "same" for line in lines if line.startswith("  ")), again.stdout
     assert (tmp_path / "reproduce" / run_id / "train" / "train.json").is_file()
+    # The store's URI, which $MLFLOW_TRACKING_URI may give with a password, is no flow parameter.
+    [reproduced] = [flow_run for flow_run in prefect_flow_runs(tmp_path)
+                    if flow_run["flow"] == "forgeline-reproduce"]
+    assert "mlflow.db" not in str(reproduced["parameters"]), reproduced["parameters"]
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     [reproduction] = client.search_runs([client.get_run(run_id).info.experiment_id],
