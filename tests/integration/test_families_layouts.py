@@ -164,8 +164,8 @@ NEAR_ZERO_LR = 1e-30
 
 
 @pytest.mark.parametrize("family", FAMILY_FIELDS)
-def test_a_continued_run_at_lr_near_0_in_pp2xdp2_exports_its_base(family: str, root: Path, bases: dict[str, Path],
-                                                                  tmp_path: Path) -> None:
+def test_a_continued_run_at_lr_near_0_in_pp2xdp2_exports_its_base(
+        family: str, root: Path, bases: dict[str, Path], tmp_path: Path) -> None:
     """A continued pre-training run at lr ~ 0 in pp2 x dp2, exported as the register stage
     exports it (tasks/register.py create_version: load_from_checkpoint, then export_hf), loads in
     transformers as its base's family with the base's weights. The register stage itself is not
@@ -177,8 +177,8 @@ def test_a_continued_run_at_lr_near_0_in_pp2xdp2_exports_its_base(family: str, r
     cfg = config(root, bases[family], f"{family}-lr0", "train.steps=1", f"train.lr={NEAR_ZERO_LR}",
                  *LAYOUTS["pp2xdp2"])
     result = run_stage(stage_named("train"), cfg)
-    exported = AutoModelForCausalLM.from_pretrained(
-        export_hf(load_from_checkpoint(result.checkpoint), bases[family], tmp_path / "hf"), dtype=torch.float32)
+    export = export_hf(load_from_checkpoint(result.checkpoint), bases[family], tmp_path / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(bases[family], dtype=torch.float32)
     assert exported.config.model_type == base.config.model_type == family
     assert type(exported) is type(base)
