@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CONFIG ?=
 SET ?=
 
-.PHONY: install lock browser slurm run test test-fast test-slow lint repro corpus clean
+.PHONY: install lock browser slurm run test test-fast test-slow ui-check lint repro corpus clean
 
 install: $(VENV)/.installed
 
@@ -78,7 +78,13 @@ test: install
 # a time (a file's module fixtures stay in one process): most of their time is one process
 # (a single-rank stage, a server, a browser) waiting on another, so two share the cores well.
 test-slow: install
-	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -m "slow and not ui" -n 2 --dist loadfile --durations=25
+
+# Prefect's UI in headless Chromium: a stage's flow run page and a deployment's run form, checked
+# for their text and saved as artifacts/screenshots/prefect-*.png for a person to look at. Not in
+# CI (its time goes to the suites above); MLflow's UI is checked there (tests/integration/test_mlflow_ui.py).
+ui-check: install browser
+	$(BIN)/python -m pytest -q -m ui
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not integration and not e2e"

@@ -118,11 +118,14 @@ print(json.dumps(out))
 
 
 @contextmanager
-def running_prefect_server(root: Path) -> Iterator[str]:
-    """`prefect server start` on 127.0.0.1 with its database under `root`; its API URL."""
+def running_prefect_server(root: Path, ui: bool = False) -> Iterator[str]:
+    """`prefect server start` on 127.0.0.1 with its database under `root` (and its UI at the
+    URL less `/api` with `ui`); its API URL."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     cmd = [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port),
-           "--no-ui", "--analytics-off"]
-    with serving(cmd, user_env(root), root / "prefect-server.log", f"{url}/health"):
+           *([] if ui else ["--no-ui"]), "--analytics-off"]
+    # The UI asks the API at 127.0.0.1:4200 unless told where it is.
+    env = user_env(root) | ({"PREFECT_UI_API_URL": url} if ui else {})
+    with serving(cmd, env, root / "prefect-server.log", f"{url}/health"):
         yield url
