@@ -41,11 +41,6 @@ class PartitionFailed(RuntimeError):
     """A piece of the build failed on its worker; the message names the partition and sources."""
 
 
-class WorkersRunOtherCode(RuntimeError):
-    """A cluster's workers would run other forgeline code, or other library versions, than the
-    data stage's key records; the message names the workers and what differs."""
-
-
 class Work(Protocol):
     number: int
 
@@ -140,8 +135,6 @@ class DaskExecutor:
         # them (OMP_NUM_THREADS=1, MALLOC_TRIM_THRESHOLD_, PYTHONHASHSEED...) and leaves them:
         # inherited by the training ranks launched next, they slowed training by a third.
         self.environ = dict(os.environ)
-        if self.address:  # a local cluster's workers import this checkout, with this environment
-            check_workers_code(self.address)
         address = self.address or local_cluster(self.num_workers).scheduler_address
         self.api_url = None
         if FlowRunContext.get() or TaskRunContext.get():
@@ -184,37 +177,6 @@ class DaskExecutor:
 
     def map(self, name: str, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         return self.submit(name, fn, items).results()
-
-
-def data_stage_code() -> tuple[str, dict[str, str | None]]:
-    """The code part of the data stage's key as the process running this has it: the hash of
-    its forgeline code and the versions of the libraries that code imports."""
-    from forgeline.tasks.stage import stage_named
-
-    stage = stage_named("data")
-    return stage.code_hash(), stage.package_versions()
-
-
-def check_workers_code(address: str) -> None:
-    """Refuse a cluster whose workers run other code than this process: each has its own
-    installed forgeline and libraries, and the stage's key records this process's. Workers that
-    join after the check are not seen."""
-    from distributed import Client
-
-    code, versions = data_stage_code()
-    with Client(address, set_as_default=False, timeout=60) as client:
-        theirs = client.run(data_stage_code)
-    differences = []
-    for worker, (their_code, their_versions) in sorted(theirs.items()):
-        if their_code != code:
-            differences.append(f"{worker}: forgeline code {their_code[:12]} (here {code[:12]})")
-        differences += [f"{worker}: {name} {their_versions.get(name)} (here {version})"
-                        for name, version in sorted(versions.items()) if their_versions.get(name) != version]
-    if differences:
-        raise WorkersRunOtherCode(f"the Dask workers at {address} run other code than this process, so the "
-                                  "data stage's key would not say what built its output: "
-                                  + "; ".join(differences) + ". Install this checkout's forgeline "
-                                  "(and its lock) on the workers, or leave data.dask_address unset")
 
 
 def restore_environ(saved: dict[str, str]) -> None:

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,11 +25,9 @@ from forgeline.model.fileio import sha256_file
 from forgeline.tasks.data import executor as data_executor
 from forgeline.tasks.data import snapshot
 from forgeline.tasks.data.build import build_dataset, partition_members
-from forgeline.tasks.data.executor import WorkersRunOtherCode
 from forgeline.tasks.data.snapshot import snapshot_members, take_snapshot
 from tests.conftest import debug_config, output_overrides
 from tests.integration.helpers import VENV_BIN, free_port, run, serving, user_env
-from tests.unit.test_code_inputs import package_copy, touch
 
 pytestmark = pytest.mark.integration
 
@@ -111,30 +109,24 @@ class Cluster:
         return "\n".join(log.read_text() for log in self.worker_logs)
 
 
-@contextmanager
-def running_cluster(root: Path, workers: int, worker_env: dict[str, str]) -> Iterator[Cluster]:
-    """A scheduler and `workers` single-threaded workers, each under its nanny (which restarts a
-    killed worker); all stopped (SIGTERM, then SIGKILL) at the end."""
-    port = free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    dask = str(VENV_BIN / "dask")
-    logs = tuple(root / f"worker-{n}.log" for n in range(workers))
-    with ExitStack() as stack:  # stopped in reverse: the workers, then the scheduler
-        stack.enter_context(serving([dask, "scheduler", "--host", "127.0.0.1", "--port", str(port),
-                                     "--no-dashboard"], user_env(root), root / "scheduler.log"))
-        for n, log in enumerate(logs):
-            stack.enter_context(serving([dask, "worker", address, "--nthreads", "1", "--host", "127.0.0.1",
-                                         "--no-dashboard", "--name", f"worker-{n}"], worker_env, log))
-        with Client(address, timeout=60) as client:
-            client.wait_for_workers(workers, timeout=120)
-        yield Cluster(address, root / "scheduler.log", logs)
-
-
 @pytest.fixture
 def dask_cluster(tmp_path: Path) -> Iterator[Cluster]:
-    """A scheduler and two workers of this checkout."""
-    with running_cluster(tmp_path, 2, user_env(tmp_path)) as cluster:
-        yield cluster
+    """A scheduler and two single-threaded workers, each under its nanny (which restarts a killed
+    worker); all stopped (SIGTERM, then SIGKILL) at the end."""
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    env = user_env(tmp_path)
+    dask = str(VENV_BIN / "dask")
+    logs = tuple(tmp_path / f"worker-{n}.log" for n in range(2))
+    with ExitStack() as stack:  # stopped in reverse: the workers, then the scheduler
+        stack.enter_context(serving([dask, "scheduler", "--host", "127.0.0.1", "--port", str(port),
+                                     "--no-dashboard"], env, tmp_path / "scheduler.log"))
+        for n, log in enumerate(logs):
+            stack.enter_context(serving([dask, "worker", address, "--nthreads", "1", "--host", "127.0.0.1",
+                                         "--no-dashboard", "--name", f"worker-{n}"], env, log))
+        with Client(address, timeout=60) as client:
+            client.wait_for_workers(2, timeout=120)
+        yield Cluster(address, tmp_path / "scheduler.log", logs)
 
 
 def stage_data(root: Path, raw_dir: Path, *overrides: str) -> list[str]:
@@ -190,23 +182,6 @@ def test_dask_workers_report_to_the_stages_temporary_prefect_api(tmp_path: Path,
     output = done.stdout + done.stderr
     assert "Task run 'data-clean-0' - Finished in state Completed" in output  # the worker's lines are here
     assert output.count("Starting temporary server") == 1, output[-6000:]
-
-
-@pytest.mark.slow
-def test_a_cluster_whose_workers_run_other_code_is_refused_before_any_work(tmp_path: Path,
-                                                                          raw_dir: Path) -> None:
-    """A cluster that is not this process's runs its own installed forgeline: here a copy with
-    the cleaning edited. The stage's key would record this process's code, so it is refused."""
-    other = package_copy(tmp_path / "other")
-    touch(other / "tasks" / "data" / "clean.py")
-    worker_env = user_env(tmp_path) | {"PYTHONPATH": str(other.parent)}
-    with running_cluster(tmp_path, 1, worker_env) as cluster:
-        cfg = build_config(tmp_path / "out", raw_dir, "data.executor=dask",
-                           f"data.dask_address={cluster.address}")
-        differs = r"tcp://127\.0\.0\.1:\d+: forgeline code [0-9a-f]{12} \(here [0-9a-f]{12}\)"
-        with pytest.raises(WorkersRunOtherCode, match=differs):
-            build_dataset(cfg, from_snapshot=True)
-        assert "clean_partition" not in scheduler_prefixes(cluster.address)  # refused before any work
 
 
 def kill_a_worker_executing(address: str, prefix: str, stage: subprocess.Popen, deadline: float) -> int:
