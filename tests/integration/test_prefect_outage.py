@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from forgeline.configs import load_config
 from forgeline.model.checkpoint.manager import committed_checkpoints
 from tests.integration.helpers import VENV_BIN, free_port, run, serving, user_env
 
@@ -51,11 +52,13 @@ def test_train_finishes_without_the_prefect_api_and_sync_reports_it(data_root: P
     workdir.mkdir()
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
+    overrides = [f"data.out_dir={data_root / 'data'}", "parallel.pp=2", "parallel.dp_shard=2",
+                 f"train.steps={STEPS}", "train.peak_tflops=1"]
     cmd = [str(VENV_BIN / "forgeline"), "stage", "train", "--config", "debug.yaml",
-           "--set", f"data.out_dir={data_root / 'data'}", "--set", "parallel.pp=2",
-           "--set", "parallel.dp_shard=2", "--set", f"train.steps={STEPS}", "--set", "train.peak_tflops=1"]
+           *[arg for override in overrides for arg in ("--set", override)]]
     env = user_env(workdir) | {"PREFECT_API_URL": api, "OMP_NUM_THREADS": "1"}
-    checkpoints = workdir / "artifacts" / "train" / "checkpoints"
+    train_dir = workdir / load_config("debug.yaml", overrides).train.out_dir  # the run's directory
+    checkpoints = train_dir / "checkpoints"
     lines: list[tuple[float, str]] = []
 
     with prefect_server(tmp_path, port, "prefect-server-1.log") as server:
@@ -93,7 +96,7 @@ def test_train_finishes_without_the_prefect_api_and_sync_reports_it(data_root: P
     assert "forgeline: warning: train finished: its outputs and stage record are written" in output
     assert "`forgeline sync`" in output
     assert [info.step for info in committed_checkpoints(checkpoints)][0] == STEPS
-    assert (workdir / "artifacts" / "train" / "train.json").is_file()
+    assert (train_dir / "train.json").is_file()
     [record] = (workdir / ".forgeline" / "pending").glob("*.json")
     flow_run_id = record.stem
 
