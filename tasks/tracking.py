@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import requests
 import yaml
 from dvc_data.hashfile.build import build
 from dvc_data.hashfile.db import HashFileDB
@@ -300,11 +301,16 @@ def experiment_id(client: MlflowClient, cfg: Config) -> str:
 def runs_link(cfg: Config) -> str:
     """The runs table of `cfg`'s experiment in MLflow's UI, in its training view, with the score
     columns (RUNS_VIEW_TAG)."""
-    experiment = experiment_id(MlflowClient(resolve_tracking_uri(cfg)), cfg)
+    try:
+        experiment = experiment_id(MlflowClient(resolve_tracking_uri(cfg)), cfg)
+    except STORE_DOWN:  # the run's writes wait in the spool; its link is for when the store answers
+        return f"(the tracking store {scrub(resolve_tracking_uri(cfg))} does not answer now)"
     return ui_page(cfg, f"#/experiments/{experiment}/runs?workflowType=machine_learning"
                         f"&viewStateShareKey={RUNS_VIEW_KEY}")
 
 
+# What a store that does not answer raises: MLflow's client wraps most, not all, of requests' errors.
+STORE_DOWN = (MlflowException, requests.RequestException, OSError)
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a store that is no server
 
 
@@ -313,7 +319,10 @@ def run_link(cfg: Config, run_id: str) -> str:
     its GenAI view unless the address says `workflowType=machine_learning` (its sidebar switch;
     it reads no experiment tag for this), and `#/experiments/<id>/runs/<run>` is its run page.
     A store that is no server is served by `mlflow ui` first, which the line says."""
-    experiment = MlflowClient(resolve_tracking_uri(cfg)).get_run(run_id).info.experiment_id
+    try:
+        experiment = MlflowClient(resolve_tracking_uri(cfg)).get_run(run_id).info.experiment_id
+    except STORE_DOWN:  # a run that finished through an outage: its writes wait in the spool
+        return f"(the tracking store {scrub(resolve_tracking_uri(cfg))} does not answer now)"
     return ui_page(cfg, f"#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning")
 
 
