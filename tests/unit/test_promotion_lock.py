@@ -6,7 +6,6 @@ test_promotion_concurrency.py."""
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -30,28 +29,15 @@ from forgeline.tasks.promote import (
     break_lock,
     promote,
 )
+from tests.unit.conftest import sqlite_registry
 
 LOCK = "m" + LOCK_SUFFIX
-
-
-@pytest.fixture(scope="module")
-def empty_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A sqlite store with MLflow's schema, created once (its migrations take seconds)."""
-    path = tmp_path_factory.mktemp("store") / "mlflow.db"
-    MlflowClient(f"sqlite:///{path}").search_experiments()
-    return path
 
 
 @pytest.fixture
 def registry(tmp_path: Path, empty_store: Path) -> tuple[Config, MlflowClient]:
     """Model `m` with versions 1 and 2, complete, in a sqlite registry."""
-    shutil.copy(empty_store, tmp_path / "mlflow.db")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(uri, uri)
-    client.create_registered_model("m")
-    for _ in range(2):
-        client.create_model_version("m", str(tmp_path), tags={REGISTRATION_TAG: COMPLETE})
-    return Config().with_values({"registry.tracking_uri": uri, "registry.model_name": "m"}), client
+    return sqlite_registry(tmp_path, empty_store, {REGISTRATION_TAG: COMPLETE})
 
 
 def decision_of(client: MlflowClient, version: str) -> str | None:

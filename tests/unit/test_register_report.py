@@ -5,7 +5,6 @@ champion it faced."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from forgeline.tasks.promote import (
     evidence_tags,
 )
 from forgeline.tasks.register import CANDIDATE_ALIAS, RegisterResult
+from tests.unit.conftest import sqlite_registry
 
 COMPARISON = {  # candidate minus champion, as tasks/compare.py's paired comparison has it
     "overall": 0.012, "overall_ci95": [-0.004, 0.028], "overall_p_value": 0.2, "margin": 0.0,
@@ -31,23 +31,9 @@ COMPARISON = {  # candidate minus champion, as tasks/compare.py's paired compari
 }
 
 
-@pytest.fixture(scope="module")
-def empty_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A sqlite store with MLflow's schema, created once (its migrations take seconds)."""
-    path = tmp_path_factory.mktemp("store") / "mlflow.db"
-    MlflowClient(f"sqlite:///{path}").search_experiments()
-    return path
-
-
 @pytest.fixture
 def registry(tmp_path: Path, empty_store: Path) -> tuple[Config, MlflowClient]:
-    shutil.copy(empty_store, tmp_path / "mlflow.db")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(uri, uri)
-    client.create_registered_model("m")
-    for _ in range(2):
-        client.create_model_version("m", str(tmp_path))
-    return Config().with_values({"registry.tracking_uri": uri, "registry.model_name": "m"}), client
+    return sqlite_registry(tmp_path, empty_store)
 
 
 def decided(client: MlflowClient, decision: Decision, champion: str) -> RegisterResult:
