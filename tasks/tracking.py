@@ -38,6 +38,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from forgeline.configs import Config
 from forgeline.configs.redaction import REDACTED, scrub
+from forgeline.configs.schema import run_fingerprint
 from forgeline.model.spool import TrackingSpool, discard_sent, replay, spooled_metric
 from forgeline.tasks.stage import PACKAGE_ROOT
 
@@ -349,8 +350,12 @@ MODEL_NAME_PREFIX = "forgeline-"  # of every shipped config's registered model: 
 
 
 def config_label(cfg: Config) -> str:
-    """The config in a word, for run names: its registered model's name without `forgeline-`
-    (`tiny`, `debug`, `mine`). A Config does not know the file it was read from."""
+    """The config in a word, for run names: its run.name where the config or an override sets
+    one (`ablation-lr`), else its registered model's name without `forgeline-` (`tiny`, `debug`,
+    `mine`) -- the name filled in when it was loaded, `<stem>-<fingerprint>`, would say less in
+    the runs table's narrow column. A Config does not know the file it was read from."""
+    if not cfg.run.name.endswith(f"-{run_fingerprint(cfg.model_dump(mode='json'))[:8]}"):
+        return cfg.run.name
     return cfg.registry.model_name.removeprefix(MODEL_NAME_PREFIX) or cfg.registry.model_name
 
 
