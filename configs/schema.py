@@ -942,6 +942,14 @@ class DimensionConfig(Section):
     num_fewshot: int = Field(0, ge=0)
     """Few-shot examples per prompt."""
 
+    chat: bool | None = None
+    """Whether the prompts of this dimension's generative tasks (those that score generated text:
+    TriviaQA, GSM8K, MATH, HumanEval, MBPP, Do-Not-Answer, IFEval) go through the model's chat
+    template, as an assistant is asked; its likelihood tasks keep their completion prompts
+    either way. None: through the template when the model's tokenizer has one (an sft run's).
+    true needs one (the `sft` section) and a dimension with a generative task; false asks a
+    chat model as a completion model."""
+
 
 class InTrainingEvalConfig(Section):
     """A small evaluation of committed checkpoints while training runs, in a separate process
@@ -1255,6 +1263,10 @@ class Config(Section):
         if self.data.chat_template is not None and self.sft is None:
             raise ValueError("data.chat_template renders conversations for fine-tuning: set the `sft` "
                              "section, or unset it")
+        if self.sft is None and (chat := [n for n, d in self.eval.dimensions.items() if d.chat]):
+            raise ValueError(f"eval.dimensions.{chat[0]}.chat=true asks the model through its chat template, "
+                             "but only a fine-tuned model's tokenizer has one (set the `sft` section); "
+                             "leave it unset or false")
         if self.sft is not None and self.train.document_masking is False:
             raise ValueError("train.document_masking=false with sft: conversations packed into a row would "
                              "attend to each other; leave it at auto (on for fine-tuning) or true")

@@ -25,10 +25,12 @@ Where the chance values come from:
     happens to satisfy a few instructions (no commas, all lowercase), so an untrained model
     scores a little above it.
 
-The dimensions of CHAT_DIMENSIONS are asked as an assistant is: their prompts go through the
-model's chat template when its tokenizer has one (tasks/evaluate.py); the others keep their
-completion prompts (few-shot "Question: ... Answer:", a function to complete), which their
-answer extraction is written for, so that base models and assistants are measured alike there.
+The generative tasks (`generative`: those that score the text a model generates) are asked as
+an assistant is by default: their prompts go through the model's chat template when its
+tokenizer has one, as a dimension's `chat` setting decides (configs/schema.py DimensionConfig,
+tasks/evaluate.py). The likelihood tasks keep their completion prompts (a question and the
+choices' log-likelihoods after it) whatever the setting: no reply is generated there, and base
+models and assistants are measured alike.
 
 With eval.task_source=hub the tasks that have a `hub_task` run lm-eval's standard task instead
 (the same prompts and metric; ARC's test split instead of validation, whose chance differs by
@@ -62,6 +64,9 @@ class TaskScore:
     per-item floats, `bits_per_byte` of (log-likelihood, bytes) pairs, `icat` of StereoSet's
     (ss, lms) triples. Its standard error: closed form for a mean, a bootstrap over the items
     otherwise."""
+    generative: bool = False
+    """Whether the task scores text the model generates (lm-eval's generate_until): such a task's
+    prompts go through the chat template where the dimension's `chat` setting says so."""
 
 
 # The tasks of each dimension, keyed by the names the config defines (configs/schema.py: Dimension).
@@ -78,38 +83,42 @@ DIMENSION_TASKS: dict[str, tuple[TaskScore, ...]] = {
     "knowledge": (
         TaskScore("forgeline_mmlu", "acc", chance=0.25, best=1.0, hub_task="mmlu"),
         TaskScore("forgeline_triviaqa", "exact_match/remove_whitespace", chance=0.0, best=1.0,
-                  hub_task="triviaqa"),
+                  hub_task="triviaqa", generative=True),
     ),
     "math": (
-        TaskScore("forgeline_gsm8k", "exact_match/flexible-extract", chance=0.0, best=1.0, hub_task="gsm8k"),
-        TaskScore("forgeline_math500", "exact_match", chance=0.0, best=1.0, hub_task="hendrycks_math500"),
+        TaskScore("forgeline_gsm8k", "exact_match/flexible-extract", chance=0.0, best=1.0, hub_task="gsm8k",
+                  generative=True),
+        TaskScore("forgeline_math500", "exact_match", chance=0.0, best=1.0, hub_task="hendrycks_math500",
+                  generative=True),
     ),
     "code": (
-        TaskScore("forgeline_humaneval", "pass_at_1", chance=0.0, best=1.0),
-        TaskScore("forgeline_mbpp", "pass_at_1", chance=0.0, best=1.0),
+        TaskScore("forgeline_humaneval", "pass_at_1", chance=0.0, best=1.0, generative=True),
+        TaskScore("forgeline_mbpp", "pass_at_1", chance=0.0, best=1.0, generative=True),
     ),
     "safety": (
         TaskScore("forgeline_stereoset", "icat", chance=0.5, best=1.0, aggregation="icat"),
-        TaskScore("forgeline_donotanswer", "refusal_rate", chance=0.0, best=1.0),
+        TaskScore("forgeline_donotanswer", "refusal_rate", chance=0.0, best=1.0, generative=True),
     ),
     "language_modeling": (
         TaskScore("forgeline_heldout", "bits_per_byte", chance=8.0, best=0.0, aggregation="bits_per_byte"),
         TaskScore("forgeline_lambada", "acc", chance=0.0, best=1.0, hub_task="lambada_openai"),
     ),
     "instruction_following": (
-        TaskScore("forgeline_ifeval", "prompt_level_strict_acc", chance=0.0, best=1.0, hub_task="ifeval"),
+        TaskScore("forgeline_ifeval", "prompt_level_strict_acc", chance=0.0, best=1.0, hub_task="ifeval",
+                  generative=True),
     ),
 }
-CHAT_DIMENSIONS = frozenset({"instruction_following"})
 if tuple(DIMENSION_TASKS) != DIMENSIONS:
     raise AssertionError(f"DIMENSION_TASKS covers {tuple(DIMENSION_TASKS)}, the config's dimensions are "
                          f"{DIMENSIONS}")
 
 
-def is_chat_task(task: str) -> bool:
-    """Whether `task` (forgeline's name or its hub task's) belongs to a dimension of
-    CHAT_DIMENSIONS."""
-    return dimension_of(task) in CHAT_DIMENSIONS
+def is_generative(task: str) -> bool:
+    """Whether `task` (forgeline's name or its hub task's) is a registered generative task."""
+    try:
+        return task_score(task).generative
+    except KeyError:  # a task of no dimension (forgeline_crows_pairs): scored by likelihood
+        return False
 
 
 def fewshot_counts(tasks: list[str], dimension_shots: dict[str, int]) -> dict[str, int]:

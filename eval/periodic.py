@@ -10,9 +10,9 @@ computes it (eval/scores.py `item_stderr`: closed form for a mean, a seeded boot
 items for another aggregation), and named as the eval stage names it on the pipeline's run:
 `eval/<task>/<metric>` beside `eval/stderr/<task>/<metric>`. A task is asked as the eval stage
 asks it (eval/suite.py `evaluate_tasks`): with its dimension's few-shot count (the trainer passes
-eval.dimensions' as --dimension-shots) and the same seeds, and through the tokenizer's chat template where its
-dimension is an assistant's; only the number of items (`--limit`) is the in-training evaluation's
-own. At the same limit, its scores at the last step are the eval stage's.
+eval.dimensions' as --dimension-shots) and the same seeds, and a generative task through the
+tokenizer's chat template where it has one (a dimension's default `chat` setting); only the
+number of items (`--limit`) is the in-training evaluation's own. At the same limit, its scores at the last step are the eval stage's.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def score_tasks(lm: LM, tasks: list[str], num_fewshot: dict[str, int], limit: in
     metric of a task that logged two items or more)."""
     from lm_eval.tasks import get_task_dict
 
-    from forgeline.eval.dimensions import is_chat_task
+    from forgeline.eval.dimensions import is_generative
     from forgeline.eval.scores import flatten_scores, item_stderrs
     from forgeline.eval.suite import evaluate_tasks
 
@@ -72,7 +72,7 @@ def score_tasks(lm: LM, tasks: list[str], num_fewshot: dict[str, int], limit: in
     results: dict[str, dict] = {"results": {}, "samples": {}}
 
     def asked(task: str) -> tuple[int, bool]:  # its shots, and whether through the chat template
-        return num_fewshot.get(task, 0), assistant and is_chat_task(task)
+        return num_fewshot.get(task, 0), assistant and is_generative(task)
 
     for shots, chat in sorted({asked(task) for task in tasks}):
         group = [task for task in tasks if asked(task) == (shots, chat)]

@@ -16,8 +16,8 @@ the shared items) in
 metrics.json and MLflow, `base` and `versus_base` in report.json, the base's bars beside the
 run's in the chart. The base is scored as the run is (Scoring): with the run's data tokenizer
 and in windows of the run's context, so that identical weights score identically; where that
-tokenizer has a chat template (an sft run's), both are asked the instruction-following prompts
-through it. A base's scores are cached under $FORGELINE_CACHE/evals by its weights' sha256, the
+tokenizer has a chat template (an sft run's), both are asked the generative tasks' prompts
+through it, as each dimension's `chat` setting says (as_assistant). A base's scores are cached under $FORGELINE_CACHE/evals by its weights' sha256, the
 scoring (the tokenizer's files, its chat template among them, the window) and the suite's
 fingerprint (eval/suite.py), so the runs continued from one base evaluate it once.
 
@@ -54,7 +54,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
 from forgeline.configs import Config
 from forgeline.configs.schema import DimensionConfig, EvalConfig
-from forgeline.eval.dimensions import CHAT_DIMENSIONS, DIMENSION_TASKS, TaskScore, task_score
+from forgeline.eval.dimensions import DIMENSION_TASKS, TaskScore, task_score
 from forgeline.eval.lm import ForgelineLM
 from forgeline.eval.scores import (
     Z95,
@@ -100,6 +100,9 @@ class EvalResult:
     detectable: float | None = None
     """The overall change this evaluation can detect against another model's on the same items
     (detectable_overall)."""
+    chat: dict[str, bool] = field(default_factory=dict)
+    """Per dimension: whether its generative tasks were asked through the chat template (its
+    `chat` setting resolved against the run's tokenizer)."""
 
     def _change(self, change: float, key: str) -> str:
         interval = f" ± {Z95 * self.change_stderrs[key]:.3f}" if key in self.change_stderrs else ""
@@ -145,6 +148,9 @@ def plan_tasks(ecfg: EvalConfig) -> dict[str, tuple[list[TaskScore], DimensionCo
             raise ValueError(f"eval.dimensions.{name}.tasks: {unknown} are not {name} tasks; "
                              f"available: {sorted(registered)}")
         scores = [registered[task] for task in wanted]
+        if dcfg.chat and not any(s.generative for s in scores):
+            raise ValueError(f"eval.dimensions.{name}.chat=true, but {', '.join(wanted)} score log-likelihoods, "
+                             "not generated replies: nothing goes through the chat template; unset it")
         if ecfg.task_source == "hub":
             scores = [replace(s, task=s.hub_task) if s.hub_task else s for s in scores]
         plan[name] = (scores, dcfg)
@@ -183,7 +189,8 @@ def record_eval(cfg: Config, run: RunTracker, parent: RunTracker | None, result:
     scores and chart on the parent."""
     scored = scored_checkpoint(result.checkpoint)
     run.log_params({"checkpoint": scored["checkpoint"], "checkpoint_step": scored["step"],
-                    "train_run_id": scored["train_run_id"] or "unknown"})
+                    "train_run_id": scored["train_run_id"] or "unknown"}
+                   | {f"chat.{name}": asked for name, asked in result.chat.items()})
     run.set_tags({"forgeline.checkpoint": scored["checkpoint"], "forgeline.checkpoint_step": scored["step"],
                   **({TRAIN_RUN_TAG: scored["train_run_id"]} if scored["train_run_id"] else {}),
                   MLFLOW_RUN_NAME: eval_run_name(cfg, scored["step"])})
@@ -234,6 +241,8 @@ class ModelScores:
     raw: dict[str, float]
     items: dict[str, TaskItems]
     lm_eval_results: dict[str, dict] = field(default_factory=dict)
+    chat: dict[str, bool] = field(default_factory=dict)
+    """Per dimension: whether its generative tasks were asked through the chat template."""
 
     def report(self, plan: Plan) -> dict:
         """Scores per task, dimension and overall, with standard errors and 95 % intervals."""
@@ -249,9 +258,10 @@ class ModelScores:
 
 
 def plan_record(plan: Plan) -> dict[str, dict]:
-    """The plan as items.json and the score caches keep it: per dimension its tasks, limit and
-    few-shot count."""
-    return {name: {"tasks": [s.task for s in scores], "limit": dcfg.limit, "num_fewshot": dcfg.num_fewshot}
+    """The plan as items.json and the score caches keep it: per dimension its tasks, limit,
+    few-shot count and chat setting."""
+    return {name: {"tasks": [s.task for s in scores], "limit": dcfg.limit, "num_fewshot": dcfg.num_fewshot,
+                   "chat": dcfg.chat}
             for name, (scores, dcfg) in plan.items()}
 
 
@@ -331,7 +341,8 @@ class EvaluatedItems:
     def eval_plan(self) -> Plan:
         """The plan, to evaluate another model on these items."""
         return {name: (scores, DimensionConfig(tasks=[s.task for s in scores], limit=self.plan[name]["limit"],
-                                                num_fewshot=self.plan[name]["num_fewshot"]))
+                                                num_fewshot=self.plan[name]["num_fewshot"],
+                                                chat=self.plan[name].get("chat")))
                 for name, scores in self.scores().items()}
 
     def unpaired(self, other: EvaluatedItems) -> list[str]:
@@ -343,7 +354,9 @@ class EvaluatedItems:
         if self.max_length != other.max_length:
             return [f"scored in {windows(self.max_length)}, not {windows(other.max_length)}"]
         fewshot = self.fewshot()
-        why = []
+        why = [f"{name}'s generative tasks were asked with chat={self.plan[name].get('chat')}, not "
+               f"{entry.get('chat')}" for name, entry in other.plan.items()
+               if name in self.plan and self.plan[name].get("chat") != entry.get("chat")]
         for entry in other.plan.values():
             for task in entry["tasks"]:
                 if task not in self.items:
@@ -370,7 +383,7 @@ def evaluate_model(cfg: Config) -> EvalResult:
     model_args = {"checkpoint": str(checkpoint)} | scoring.model_args()
     scored = score_model(model_args, cfg.eval.batch_size, plan, task_manager)
     report = scored.report(plan)
-    result = result_of(report, scored.raw, out_dir, checkpoint)
+    result = replace(result_of(report, scored.raw, out_dir, checkpoint), chat=scored.chat)
     suite = suite_fingerprint(suite_dir, data_dir)
     suite_record = {"fingerprint": suite, "plan": plan_record(plan), "scoring": scoring_record(model_args)}
     items = {"suite": suite_record, "model": scored.items_record(plan)}
@@ -435,10 +448,34 @@ def score_model(model_args: dict[str, str | int], batch_size: int, plan: Plan,
     return scored
 
 
-def as_assistant(lm: lm_eval.api.model.LM, dimension: str) -> bool:
-    """Whether `dimension`'s prompts go through `lm`'s chat template: a chat dimension
-    (eval/dimensions.py CHAT_DIMENSIONS) on a model whose tokenizer has one."""
-    return dimension in CHAT_DIMENSIONS and bool(lm.chat_template(True))
+def as_assistant(lm: lm_eval.api.model.LM, name: str, dcfg: DimensionConfig) -> bool:
+    """Whether dimension `name`'s generative tasks are asked through `lm`'s chat template: as
+    its `chat` setting says, by default when the model's tokenizer has one. A model without one
+    asked to use it is refused, naming the setting."""
+    has_template = bool(lm.chat_template(True))
+    if dcfg.chat and not has_template:
+        raise ValueError(f"eval.dimensions.{name}.chat=true, but the model's tokenizer has no chat template "
+                         "to ask it through: leave it unset or false")
+    return has_template if dcfg.chat is None else dcfg.chat
+
+
+def asked_groups(scores: list[TaskScore], chat: bool) -> list[tuple[list[TaskScore], bool]]:
+    """A dimension's tasks by how they are asked: its generative ones through the chat template
+    where `chat`, its likelihood ones as completions always."""
+    generative = [s for s in scores if s.generative]
+    likelihood = [s for s in scores if not s.generative]
+    groups = [(generative, chat), (likelihood, False)] if chat else [(scores, False)]
+    return [(group, through_template) for group, through_template in groups if group]
+
+
+def merged_results(parts: list[dict]) -> dict:
+    """lm-eval's results of several calls as one: their per-task tables joined."""
+    merged = copy.copy(parts[0])
+    for part in parts[1:]:
+        for key, value in part.items():
+            if isinstance(value, dict) and isinstance(merged.get(key), dict):
+                merged[key] = merged[key] | value
+    return merged
 
 
 def score_lm(lm: lm_eval.api.model.LM, plan: Plan, task_manager: TaskManager) -> ModelScores:
@@ -446,16 +483,19 @@ def score_lm(lm: lm_eval.api.model.LM, plan: Plan, task_manager: TaskManager) ->
     scored = ModelScores(raw={}, items={})
     with provenance_probed_once():
         for done, (name, (scores, dcfg)) in enumerate(plan.items()):
-            chat = as_assistant(lm, name)
+            chat = as_assistant(lm, name, dcfg)
             log.info("evaluating %s: %s (limit %s, %d-shot%s)", name, ", ".join(s.task for s in scores),
-                     dcfg.limit, dcfg.num_fewshot, ", through the chat template" if chat else "",
+                     dcfg.limit, dcfg.num_fewshot, ", generating through the chat template" if chat else "",
                      extra={"progress": (done, len(plan), name)})
-            results = evaluate_tasks(lm, [s.task for s in scores], num_fewshot=dcfg.num_fewshot,
-                                     limit=dcfg.limit, chat=chat, task_manager=task_manager)
+            results = merged_results([
+                evaluate_tasks(lm, [s.task for s in group], num_fewshot=dcfg.num_fewshot, limit=dcfg.limit,
+                               chat=through_template, task_manager=task_manager)
+                for group, through_template in asked_groups(scores, chat)])
             samples = results.pop("samples")
             scored.items |= {s.task: TaskItems.from_samples(samples[s.task], s) for s in scores}
             scored.lm_eval_results[name] = results
             scored.raw |= flatten_scores(results["results"])
+            scored.chat[name] = chat
     return scored
 
 

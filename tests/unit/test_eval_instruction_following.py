@@ -158,14 +158,62 @@ def test_the_in_training_eval_asks_ifeval_as_the_eval_stage_does(
     assert {"forgeline_arc_easy/acc_norm", "stderr/forgeline_ifeval/prompt_level_strict_acc"} <= set(scores)
 
 
-def test_only_chat_dimensions_of_a_model_with_a_template_are_asked_as_an_assistant(
+def test_a_dimension_is_asked_through_the_template_by_default_where_the_model_has_one(
         assistant: ForgelineLM, tmp_path: Path) -> None:
-    assert as_assistant(assistant, "instruction_following")
-    assert not as_assistant(assistant, "math")
+    assert as_assistant(assistant, "instruction_following", DimensionConfig())
+    assert as_assistant(assistant, "math", DimensionConfig())  # before: instruction following only
+    assert not as_assistant(assistant, "math", DimensionConfig(chat=False))
     save_chat_tokenizer(tmp_path / "plain", template=None)
     save_random_bundle(tmp_path / "bundle", vocab_size=320, max_seq_len=MAX_SEQ_LEN)
     base = ForgelineLM(bundle=str(tmp_path / "bundle"), tokenizer=str(tmp_path / "plain"))
-    assert not as_assistant(base, "instruction_following") and base.end_of_turn is None
+    assert not as_assistant(base, "instruction_following", DimensionConfig()) and base.end_of_turn is None
+    with pytest.raises(ValueError, match=r"eval\.dimensions\.math\.chat=true, but the model's tokenizer has no "):
+        as_assistant(base, "math", DimensionConfig(chat=True))
+
+
+def test_chat_false_asks_ifeval_without_the_template_and_true_through_it(
+        assistant: ForgelineLM, task_manager: TaskManager) -> None:
+    """The exact prompt the model receives under each setting (two prompts each)."""
+    prompts = [row["prompt"] for row in ifeval_rows()[:2]]
+    for chat, expected in ((False, prompts), (True, [CHAT.format(prompt) for prompt in prompts])):
+        plan = {"instruction_following": ([IFEVAL], DimensionConfig(limit=2, chat=chat))}
+        with prompts_given(assistant) as seen:
+            scored = score_lm(assistant, plan, task_manager)
+        assert sorted(seen) == sorted(expected), chat
+        assert scored.chat == {"instruction_following": chat}
+
+
+@contextmanager
+def contexts_scored(lm: ForgelineLM) -> Iterator[list[str]]:
+    """The contexts of the log-likelihood requests `lm` gets meanwhile."""
+    seen: list[str] = []
+    loglikelihood = lm.loglikelihood
+
+    def recording(requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        seen.extend(request.args[0] for request in requests)
+        return loglikelihood(requests, disable_tqdm)
+
+    lm.loglikelihood = recording
+    try:
+        yield seen
+    finally:
+        del lm.loglikelihood
+
+
+def test_a_mixed_dimension_generates_through_the_template_and_scores_choices_as_completions(
+        assistant: ForgelineLM, task_manager: TaskManager) -> None:
+    """knowledge by default on an assistant: TriviaQA's question reaches the model as the
+    template renders it (before, as a completion: "Question: ...?\nAnswer:"); MMLU's choices are
+    scored after its plain prompt either way."""
+    plan = {"knowledge": ([task_score("forgeline_mmlu"), task_score("forgeline_triviaqa")],
+                          DimensionConfig(limit=1))}
+    with prompts_given(assistant) as generated, contexts_scored(assistant) as scored_contexts:
+        scored = score_lm(assistant, plan, task_manager)
+    [prompt] = generated
+    assert prompt.startswith("<|im_start|>user\nQuestion: ") and prompt.endswith(CHAT.format("")[-22:])
+    assert scored_contexts and not any("<|im_start|>" in context for context in scored_contexts)
+    assert set(scored.items) == {"forgeline_mmlu", "forgeline_triviaqa"}
+    assert {"forgeline_mmlu/acc", "forgeline_triviaqa/exact_match/remove_whitespace"} <= set(scored.raw)
 
 
 @torch.no_grad()
