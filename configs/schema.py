@@ -1042,6 +1042,12 @@ class LoraConfig(Section):
     """Linear layers given adapters, by their Hugging Face names in the base's family (as `peft`'s
     target_modules): q_proj, k_proj, ... for most; qkv_proj and gate_up_proj for Phi-3."""
 
+    bias: Literal["none", "lora_only", "all"] = "none"
+    """Which of the base's biases train beside the adapters, as `peft`'s `bias`: none (all
+    frozen); lora_only, those of the linears given adapters; all, every bias. Of the supported
+    families only Qwen2's q/k/v projections have biases. Trained biases are exported in the
+    merged model and in the peft adapter (where `PeftModel.from_pretrained` loads them)."""
+
 
 class SFTConfig(Section):
     """Supervised fine-tuning on conversations: the sft stage trains in place of the train stage

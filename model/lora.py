@@ -60,13 +60,14 @@ TARGETS = {
     "down_proj": ("feed_forward.w2",),
 }
 ADAPTER_NAMES = ("lora_a", "lora_b")
+TRAINS_BIAS = "trains_bias"  # a linear's attribute: its bias trains beside the adapters (sft.lora.bias)
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 
 
 class LoraLinear(nn.Linear):
     """A linear layer plus a low-rank update: x W^T + b + scale * (x A^T) B^T. The bias, where
-    the family has one (Qwen2's q/k/v), is the base's and stays frozen like W."""
+    the family has one (Qwen2's q/k/v), is the base's: frozen like W unless sft.lora.bias says."""
 
     def __init__(self, linear: nn.Linear, rank: int, scale: float):
         super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
@@ -90,7 +91,8 @@ def apply_lora(model: Transformer, lora: LoraConfig) -> None:
     """Give the target linears of every block of `model` (or of a pipeline stage; on the meta
     device or materialized) adapters, and freeze every other parameter. Adapters made on a real device
     hold garbage until `init_lora`. A fused target (Phi-3's qkv_proj) gives each linear it holds
-    adapters of its own: exported as one adapter of their ranks together (`peft_state_dict`)."""
+    adapters of its own: exported as one adapter of their ranks together (`peft_state_dict`).
+    The linears whose bias trains (`lora.bias`) are marked for `freeze_base`."""
     check_targets(model.shape, lora)
     for block in model.layers.values():
         for target in lora.targets:
@@ -98,6 +100,10 @@ def apply_lora(model: Transformer, lora: LoraConfig) -> None:
                 parent_path, _, attr = path.rpartition(".")
                 parent = block.get_submodule(parent_path)
                 setattr(parent, attr, LoraLinear(getattr(parent, attr), lora.rank, lora.alpha / lora.rank))
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            trains = lora.bias == "all" or (lora.bias == "lora_only" and isinstance(module, LoraLinear))
+            setattr(module, TRAINS_BIAS, trains)
     freeze_base(model)
 
 
@@ -112,10 +118,16 @@ def check_targets(shape: ModelConfig, lora: LoraConfig) -> None:
 
 
 def freeze_base(model: nn.Module) -> None:
-    """Only the adapters train. Again after anything that replaces parameters with new ones
-    that require grad (tensor parallelism's SequenceParallel does, for the norms)."""
-    for name, param in model.named_parameters():
-        param.requires_grad_(is_adapter(name))
+    """Only the adapters train, and the biases `apply_lora` marked. Again after anything that
+    replaces parameters with new ones that require grad (tensor parallelism's SequenceParallel
+    does, for the norms)."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            param.requires_grad_(name in ADAPTER_NAMES or (name == "bias" and trains_bias(module)))
+
+
+def trains_bias(module: nn.Module) -> bool:
+    return getattr(module, TRAINS_BIAS, False)
 
 
 def has_adapters(model: nn.Module) -> bool:
@@ -195,10 +207,20 @@ def peft_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     Hugging Face order of its weight's rows (model/hf.py): the export's W + scale B A is then the
     permutation of ours. The adapters of a fused tensor's parts (Phi-3's qkv_proj) are one
     adapter of their ranks together: A stacked, B block-diagonal, so B A is each part's B A on
-    its own rows."""
+    its own rows. Biases that trained are saved where peft saves them: an adapted linear's as
+    `{module}.base_layer.bias`, another's as `{module}.bias`."""
     ours = {canonical_name(name): param for name, param in model.state_dict().items()}
+    trained_biases = {canonical_name(f"{name}.bias") for name, module in model.named_modules()
+                      if trains_bias(module)}
     out = {}
     for hf, names in hf_weights(model.shape).items():
+        if hf.endswith(".bias"):
+            if any(name in trained_biases for name in names):
+                module = hf.removesuffix(".bias")
+                adapted = any(f"{name.removesuffix('.bias')}.lora_a" in ours for name in names)
+                key = f"base_model.model.{module}.base_layer.bias" if adapted else f"base_model.model.{hf}"
+                out[key] = torch.cat([rows_to_hf(name, ours[name], model.shape) for name in names])
+            continue
         linears = [name.removesuffix(".weight") for name in names]
         adapted = [linear for linear in linears if f"{linear}.lora_a" in ours]
         if not adapted:
@@ -219,7 +241,7 @@ def peft_config(lora: LoraConfig, base_model: str | None) -> PeftLoraConfig:
     return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets),
                           rank_pattern={t: n * lora.rank for t, n in parts.items()},
                           alpha_pattern={t: n * lora.alpha for t, n in parts.items()},
-                          lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", inference_mode=True,
+                          lora_dropout=0.0, bias=lora.bias, task_type="CAUSAL_LM", inference_mode=True,
                           base_model_name_or_path=base_model)
 
 

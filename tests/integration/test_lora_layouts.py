@@ -7,7 +7,10 @@ state for its adapters only.
 
 Every linear of a block gets adapters, so column-parallel (q, k, v, gate, up: B split by row)
 and row-parallel ones (o, down: A split by column) both run. The adapters start as the trainer
-starts them (B = 0): the first step moves B only, the next ones A through B.
+starts them (B = 0): the first step moves B only, the next ones A through B. Two other families
+in dp2 x tp2: Phi-3, whose fused targets (qkv_proj, gate_up_proj) adapt each linear they hold, and
+Qwen2 with its q/k/v biases trained beside the adapters (sft.lora.bias=all; column-parallel, so
+split by row like their weights).
 
 Run as a module under torchrun, this file is also the rank program: it builds the model in a
 layout as the train stage's ranks do, from the seed, and steps on fixed batches."""
@@ -28,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from forgeline.configs import Config, load_config
 from forgeline.model.checkpoint.manager import CheckpointManager, ModelState, OptimizerState, step_dir_name
 from forgeline.model.inference import export_checkpoint_adapter, load_from_checkpoint
-from forgeline.model.lora import PEFT_WEIGHTS, has_adapters, is_adapter
+from forgeline.model.lora import PEFT_WEIGHTS, has_adapters
 from forgeline.model.parallel.mesh import build_meshes, init_distributed
 from forgeline.model.training.loader import DocumentBatch
 from forgeline.model.training.worker import build_model_parts, build_train_step
@@ -44,6 +47,10 @@ LORA = ["data.sources=[{kind: chitchat}]", "sft.lora.rank=4", "sft.lora.alpha=8"
 LAYOUTS = {
     "dp2xtp2": ["parallel.dp_shard=2", "parallel.tp=2"],
     "pp2xdp2": ["parallel.pp=2", "parallel.dp_shard=2"],
+}
+FAMILIES = {
+    "phi3": ["model.family=phi3", "sft.lora.targets=[qkv_proj,o_proj,gate_up_proj,down_proj]"],
+    "qwen2-biases": ["model.family=qwen2", "model.qkv_bias=true", "sft.lora.bias=all"],
 }
 
 
@@ -70,7 +77,8 @@ def batches(cfg: Config, dp_rank: int) -> list[DocumentBatch]:
 
 def train_steps(root: Path, name: str, overrides: list[str]) -> dict:
     """The figures of every rank's file, merged: the steps' losses and gradient norms (rank 0's),
-    and each adapter's values after the steps (from the ranks that hold it)."""
+    and each trained parameter's values after the steps (from the ranks that hold it): the
+    adapters, and the biases sft.lora.bias trains."""
     cfg = debug_config(root, *LORA, *overrides)
     ranks = yaml.safe_load(rank_config_yaml(cfg))
     ranks["sft"] = cfg.sft.model_dump(mode="json")  # the ranks read sft.lora
@@ -84,7 +92,8 @@ def train_steps(root: Path, name: str, overrides: list[str]) -> dict:
         assert not rank["frozen_changed"]
         assert rank["optimizer_params"] == rank["adapter_params"] > 0
     adapters = {name: value for rank in figures for name, value in rank["adapters"].items()}
-    assert len(adapters) == 2 * 7 * cfg.model.n_layers
+    biases = 3 * cfg.model.n_layers if cfg.sft.lora.bias == "all" else 0
+    assert len(adapters) == 2 * 7 * cfg.model.n_layers + biases  # Phi-3's fused targets: 7 linears too
     # The checkpoint the ranks saved, read as the eval and register stages read one: the adapters
     # merged into their weights compute what the ranks computed with them apart.
     checkpoint = out / "checkpoints" / step_dir_name(STEPS)
@@ -98,7 +107,9 @@ def train_steps(root: Path, name: str, overrides: list[str]) -> dict:
     loss = losses[batch.loss_mask[:, 1:].flatten()].mean()  # the answers' tokens, each the same
     assert loss.item() == pytest.approx(figures[0]["val_loss"], rel=1e-5)
     adapter_dir = export_checkpoint_adapter(checkpoint, out / "peft")
-    assert len(safe_open(str(adapter_dir / PEFT_WEIGHTS), "pt").keys()) == len(adapters)
+    # One A and one B per target and layer (Phi-3's qkv_proj: one adapter for three linears).
+    peft_tensors = 2 * len(cfg.sft.lora.targets) * cfg.model.n_layers + biases
+    assert len(safe_open(str(adapter_dir / PEFT_WEIGHTS), "pt").keys()) == peft_tensors
     return {"losses": figures[0]["losses"], "grad_norms": figures[0]["grad_norms"], "adapters": adapters}
 
 
@@ -124,6 +135,19 @@ def test_layout_trains_the_single_process_adapters(name: str, reference: tuple[P
         assert figures["adapters"][adapter] == pytest.approx(values, abs=2e-5), adapter
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_trains_the_single_process_adapters_in_dp2xtp2(family: str, tmp_path_factory) -> None:
+    root = tmp_path_factory.mktemp(f"lora-{family}")
+    expected = train_steps(root, "single", FAMILIES[family])
+    assert expected["losses"][-1] < expected["losses"][0]
+    figures = train_steps(root, "dp2xtp2", FAMILIES[family] + LAYOUTS["dp2xtp2"])
+    assert figures["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+    assert figures["grad_norms"] == pytest.approx(expected["grad_norms"], rel=1e-5)
+    for adapter, values in expected["adapters"].items():
+        assert figures["adapters"][adapter] == pytest.approx(values, abs=2e-5), adapter
+
+
 def full(param: torch.Tensor) -> torch.Tensor:
     """The whole tensor (collective over the mesh of a DTensor)."""
     return param.full_tensor() if isinstance(param, DTensor) else param.detach()
@@ -144,7 +168,8 @@ def rank_main(argv: list[str] | None = None) -> None:
         parts = build_model_parts(cfg, shape, mesh, device, torch.float32)
         train_step = build_train_step(cfg, mesh, dp_mesh, parts, device, torch.float32)
         named = [(name, param) for part in train_step.parts for name, param in part.named_parameters()]
-        frozen_before = [param.detach().clone() for name, param in named if not is_adapter(name)]
+        trained = {name for name, param in named if param.requires_grad}  # adapters; biases by sft.lora.bias
+        frozen_before = [param.detach().clone() for name, param in named if name not in trained]
         mine = batches(cfg, dp_mesh.get_local_rank())
         results = [train_step(batch) for batch in mine]
         val_loss = train_step.validation_loss(mine[:1])
@@ -158,10 +183,10 @@ def rank_main(argv: list[str] | None = None) -> None:
                                         "lora": cfg.sft.lora.model_dump(mode="json")})
         checkpoints.close()
         assert checkpoints.load_latest(state).step == STEPS
-        frozen_after = [param for name, param in named if not is_adapter(name)]
+        frozen_after = [param for name, param in named if name not in trained]
         frozen_changed = any(not torch.equal(full(a), full(b)) for a, b in zip(frozen_before, frozen_after,
                                                                                 strict=True))
-        adapters = {name: full(param).flatten().tolist() for name, param in named if is_adapter(name)}
+        adapters = {name: full(param).flatten().tolist() for name, param in named if name in trained}
         stateful = {id(param) for optimizer in train_step.optimizers for param in optimizer.state}
         figures = {
             "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
@@ -169,7 +194,7 @@ def rank_main(argv: list[str] | None = None) -> None:
             "adapters": adapters,
             "frozen_changed": frozen_changed,
             "optimizer_params": len(stateful),
-            "adapter_params": sum(is_adapter(name) for name, _ in named),
+            "adapter_params": len(trained),
         }
         (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(figures))
     finally:

@@ -255,3 +255,42 @@ def test_a_lora_checkpoint_is_refused_as_a_base(tokenizer_dir: Path, tmp_path: P
     model = built(tiny_shape(tokenizer_dir), None)
     with pytest.raises(ValueError, match="start from its merged export"):
         load_base([model], {"uri": "runs:/sft", "path": str(tmp_path)}, model.shape)
+
+
+@pytest.mark.parametrize("bias, trained", [("none", set()), ("lora_only", {"wq"}),
+                                           ("all", {"wq", "wk", "wv"})])
+def test_biases_train_as_configured_and_reach_both_exports(bias: str, trained: set[str], tokenizer_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """Qwen2's q/k/v biases with adapters on q and o only: sft.lora.bias picks which biases train
+    (as peft's `bias`); one optimizer step moves exactly the adapters and those biases, and the
+    trained biases reach the merged export and the peft adapter, whose `from_pretrained` on the
+    base's export (with the base's biases) gives the merged model's logits."""
+    lora = LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "o_proj"], bias=bias)
+    model = trained_looking(tiny_shape(tokenizer_dir, "interleaved", "qwen2"), lora).train()
+    base_dir = export_hf(base_of(model), tokenizer_dir, tmp_path / "base")
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    biases = {f"layers.{i}.attention.{linear}.bias" for i in range(model.shape.n_layers)
+              for linear in trained}
+    assert trainable == set(adapter_params(model)) | biases
+
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = build_optimizer(model, debug_config(tmp_path).train)
+    tokens = sample(model.shape)
+    torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    moved = {name for name, param in model.named_parameters() if not torch.equal(param, before[name])}
+    assert moved == trainable
+
+    model.eval()
+    with torch.no_grad():
+        for name in biases:  # what a longer training would do: biases far from the base's
+            model.get_parameter(name).add_(0.5)
+        ours = model(tokens)
+    adapter_dir = export_peft_adapter(model, lora, tmp_path / "adapter", base_model=str(base_dir))
+    merged_dir = export_hf(merge_lora(copy.deepcopy(model)), tokenizer_dir, tmp_path / "merged")
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir),
+                                                adapter_dir).eval()(tokens).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(merged_dir).eval()(tokens).logits
+    torch.testing.assert_close(merged_logits, peft_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, peft_logits, atol=1e-5, rtol=1e-5)
