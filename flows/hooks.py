@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 from prefect import Flow
+from prefect.artifacts import create_link_artifact
 from prefect.blocks.core import Block
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun, State
@@ -85,10 +86,11 @@ def mlflow_link(cfg: Config, run_id: str) -> str:
     return scrub(f"MLflow run {run_id}: {run_link(cfg, run_id)}")
 
 
-def label_flow_run(name: str, tags: list[str], mlflow_run_id: str) -> None:
+def label_flow_run(name: str, tags: list[str], cfg: Config, mlflow_run_id: str) -> None:
     """The running flow run renamed `name` (its MLflow run's name, `pipeline tiny dp1 @1a2b3c4`, in
-    place of Prefect's random one) and given `tags` and `mlflow:<run id>`, beside the tags it has
-    (a deployment's). An API that does not take it costs a warning, not the run."""
+    place of Prefect's random one), given `tags` and `mlflow:<run id>`, beside the tags it has
+    (a deployment's), and linked to its MLflow run's page (link_mlflow_run). An API that does not
+    take it costs a warning, not the run."""
     from forgeline.flows.orchestrator import API_ERRORS
 
     wanted = [*tags, f"mlflow:{mlflow_run_id}"]
@@ -99,6 +101,24 @@ def label_flow_run(name: str, tags: list[str], mlflow_run_id: str) -> None:
     except API_ERRORS as err:
         log.warning("flow run %s keeps its name and tags: the Prefect API did not take %r (%s: %s)",
                     flow_run.name, name, type(err).__name__, err)
+    try:
+        link_mlflow_run(cfg, mlflow_run_id)
+    except API_ERRORS as err:
+        log.warning("flow run %s has no link to MLflow run %s: the Prefect API did not take it (%s: %s)",
+                    flow_run.name, mlflow_run_id, type(err).__name__, err)
+
+
+def link_mlflow_run(cfg: Config, mlflow_run_id: str) -> None:
+    """A link artifact of the flow run to its MLflow run's page in the training view, made as the
+    run starts: a running or failed flow run has it too, a click away in the Artifacts tab. A store
+    that is no server is read through `mlflow ui`, which the description says; a store that does
+    not answer now gets no link (the final message says so)."""
+    page, _, note = scrub(run_link(cfg, mlflow_run_id)).partition(" ")
+    if not page.startswith(("http://", "https://")):
+        return
+    create_link_artifact(link=page, link_text=f"MLflow run {mlflow_run_id}",
+                         key=f"{flow_run.flow_name}-mlflow-{mlflow_run_id}",
+                         description=" ".join(["The flow run's MLflow run", *([note] if note else [])]))
 
 
 def notify_failure(flow: Flow, run: FlowRun, state: State) -> None:

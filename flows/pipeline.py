@@ -64,7 +64,7 @@ def pipeline_flow(config: str | None = None, overrides: list[str] | None = None,
     with (credentials_masked_in_errors(), final_states_recorded() as states,
           tracked_run(cfg, name, tags=prefect_tags()) as parent):
         label_flow_run(name, ["pipeline", *run_labels(cfg, [stage.name for stage in stages], True)],
-                       parent.run_id)
+                       cfg, parent.run_id)
         results = {stage.name: states.run(configured_task(stage, cfg), cfg, parent.run_id, force)
                    for stage in stages}
         states.message = f"{states.summary()}; {mlflow_link(cfg, parent.run_id)}"
@@ -92,7 +92,7 @@ def reproduce_flow(config: str, overrides: list[str], reproduces: str) -> tuple[
     with (credentials_masked_in_errors(), final_states_recorded() as states,
           tracked_run(cfg, name, tags=tags) as parent):
         label_flow_run(name, ["reproduce", *run_labels(cfg, [stage.name for stage in stages], True),
-                              f"reproduces:{reproduces}"], parent.run_id)
+                              f"reproduces:{reproduces}"], cfg, parent.run_id)
         results = {stage.name: states.run(configured_task(stage, cfg), cfg, parent.run_id, True)
                    for stage in stages}
         states.message = f"{states.summary()}; MLflow run {parent.run_id}"

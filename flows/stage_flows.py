@@ -134,7 +134,7 @@ def _run_one_stage(stage: Stage, config: Config | str | None, overrides: list[st
     if upstream_run:
         labels.append(f"upstream:{upstream_run}")
     with final_states_recorded() as states, tracked_run(cfg, name, tags=tags) as parent:
-        label_flow_run(name, labels, parent.run_id)
+        label_flow_run(name, labels, cfg, parent.run_id)
         result = states.run(configured_task(stage, cfg), cfg, parent.run_id, force, from_snapshot)
         states.message = f"{states.summary()}; {mlflow_link(cfg, parent.run_id)}"
     return Completed(message=states.message, data=result)  # the caller gets `result`

@@ -140,6 +140,11 @@ def test_deployments_run_the_pipeline_and_a_stage_on_its_outputs(worker: Path, p
     assert "## forgeline-debug version 1: promoted" in register
     assert "@champion -> v1 (no champion before)" in register
     assert f"forgeline-pipeline-eval-{earlier.info.run_id}" in artifacts
+    # The MLflow run a click away: a link artifact to its page in the training view.
+    link = artifacts[f"forgeline-pipeline-mlflow-{earlier.info.run_id}"]
+    assert link["data"].startswith(f"[MLflow run {earlier.info.run_id}](http://127.0.0.1:5000/#/experiments/")
+    assert link["data"].endswith(f"/runs/{earlier.info.run_id}?workflowType=machine_learning)")
+    assert "mlflow ui --backend-store-uri" in link["description"]  # the store is no server here
 
     # The eval config names its run's directories, which do not exist: only the reuse of the
     # earlier run's outputs lets it run.
