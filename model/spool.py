@@ -23,7 +23,13 @@ taken when the write is spooled, not when it is sent -- logging a param again wi
 no-op, and tags, artifacts and a run's end overwrite. A record the store refuses for good (a
 param changed value, a deleted run) is moved to `<file>.rejected` with the reason and skipped.
 
-Imports nothing of forgeline: the rank program, the in-training evaluation and the stages use it.
+The files name the store by its URI with credentials masked (a password, a token in its query:
+configs/redaction.py): they stay on disk, maybe for days. Replay sends to the URI in the file's
+header when it has none, else to this process's store (MLflow's tracking URI, credentials
+included) when its URI masks to the header's -- the same store, whatever its password is now.
+
+Imports nothing of forgeline but the masking (the standard library only): the rank program, the
+in-training evaluation and the stages use it.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from forgeline.configs.redaction import scrub, url_credential
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +75,7 @@ class TrackingSpool:
     def __init__(self, root: str | Path, run_id: str, tracking_uri: str, writer: str, wait_s: float = 30.0):
         self.run_id = run_id
         self.tracking_uri = tracking_uri
+        self.store = scrub(tracking_uri)  # as files and messages name it
         self.wait_s = wait_s
         self.dir = Path(root) / run_id
         self._dir_lock = _join_run_dir(self.dir)  # held until close: the directory stays
@@ -80,7 +89,7 @@ class TrackingSpool:
         self._warned = False  # about the outage under way
         self._closed = False
         self._stopped = False  # past close's deadline: what is left is sync's
-        self._write({"op": "open", "run_id": run_id, "tracking_uri": tracking_uri})
+        self._write({"op": "open", "run_id": run_id, "tracking_uri": self.store})
         self._sent = 1  # the header is no write to send
         _write_count(self.path, 1)
         self._thread = threading.Thread(target=self._send_loop, name=f"tracking-spool-{run_id[:8]}",
@@ -115,7 +124,7 @@ class TrackingSpool:
                             "artifact_path": artifact_path})
         self._wait_for(seq, wait or landed)
         if landed and not self._is_sent(seq):
-            raise NotLanded(f"{path.name} did not reach the tracking store {self.tracking_uri} within "
+            raise NotLanded(f"{path.name} did not reach the tracking store {self.store} within "
                             f"{self.wait_s:g} s (it is down or does not answer); it waits in {self.path} "
                             "and `forgeline sync` sends it once the store answers")
 
@@ -159,7 +168,7 @@ class TrackingSpool:
             self._cond.notify_all()
         if left:
             log.warning("tracking store %s: %d write(s) of run %s not sent (%s); they are kept in %s -- "
-                        "`forgeline sync` sends them once the store answers", self.tracking_uri, left,
+                        "`forgeline sync` sends them once the store answers", self.store, left,
                         self.run_id, "it is down" if down else f"not within {deadline_s:.0f} s", self.path)
         self._file.close()  # and the locks: sync may take the file over
         self._dir_lock.close()
@@ -229,7 +238,7 @@ class TrackingSpool:
             _write_count(self.path, seq)
             if self._outage_since is not None:
                 log.warning("tracking store %s answers again after %.0f s; %d write(s) of run %s still to "
-                            "send", self.tracking_uri, time.time() - self._outage_since, len(self._pending),
+                            "send", self.store, time.time() - self._outage_since, len(self._pending),
                             self.run_id)
                 self._outage_since, self._warned = None, False
             self._cond.notify_all()
@@ -250,7 +259,7 @@ class TrackingSpool:
             pending = len(self._pending)
         if first:
             log.warning("tracking store %s does not answer (%s); run %s's writes go to %s (%d pending) "
-                        "and are sent when it does", self.tracking_uri, str(err).splitlines()[0][:300],
+                        "and are sent when it does", self.store, scrub(str(err).splitlines()[0][:300]),
                         self.run_id, self.path, pending)
 
 
@@ -344,9 +353,9 @@ def set_aside(path: Path, record: dict, err: Exception) -> None:
     """A record of spool file `path` the store refused for good, kept with the reason in
     `<path>.rejected` and skipped."""
     log.error("the tracking store refused a write of %s for good, skipped (kept in %s.rejected): %s",
-              path, path, err)
+              path, path, scrub(str(err)))
     with open(f"{path}.rejected", "a") as f:
-        f.write(json.dumps({"record": record, "error": str(err)}) + "\n")
+        f.write(json.dumps({"record": record, "error": scrub(str(err))}) + "\n")
 
 
 def _write_count(path: Path, count: int) -> None:
@@ -409,12 +418,15 @@ def unsent(root: str | Path) -> dict[Path, int]:
             if (left := len(read_records(path)) - _sent_count(path)) > 0}
 
 
-def replay(root: str | Path, run_id: str = "*", discard: bool = True) -> tuple[int, int]:
-    """Send what every spool file (of `run_id`) no live writer holds has left, in order; with
-    `discard`, a run directory whose files are all sent goes. Returns (records sent, records
-    still unsent)."""
+def replay(root: str | Path, run_id: str = "*", discard: bool = True,
+           tracking_uri: str | None = None) -> tuple[int, int]:
+    """Send what every spool file (of `run_id`) no live writer holds has left, in order, to its
+    store (`replay_uri`: this process's is `tracking_uri`, by default MLflow's); with `discard`,
+    a run directory whose files are all sent goes. Returns (records sent, records still unsent)."""
+    import mlflow
     from mlflow import MlflowClient
 
+    live_uri = tracking_uri or mlflow.get_tracking_uri()
     sent = left = 0
     for path in spool_files(root, run_id):
         handle = _unheld(path)
@@ -426,14 +438,21 @@ def replay(root: str | Path, run_id: str = "*", discard: bool = True) -> tuple[i
                 continue  # no header, so no write: its writer died creating it
             done = _sent_count(path)
             header = records[0]
-            client = MlflowClient(header["tracking_uri"])
+            uri = replay_uri(header["tracking_uri"], live_uri)
+            if uri is None:
+                log.warning("%s: %d write(s) wait for the tracking store %s, whose credentials the spool "
+                            "does not keep: `forgeline sync` with MLFLOW_TRACKING_URI set to it sends them",
+                            path, len(records) - done, header["tracking_uri"])
+                left += len(records) - done
+                continue
+            client = MlflowClient(uri)
             for seq, record in enumerate(records[done:], start=done + 1):
                 try:
                     send(client, header["run_id"], record, path.parent)
                 except Exception as err:  # noqa: BLE001
                     if not is_permanent(err):
                         log.warning("%s: %d write(s) still unsent: %s", path, len(records) - seq + 1,
-                                    str(err).splitlines()[0][:300])
+                                    scrub(str(err).splitlines()[0][:300]))
                         left += len(records) - seq + 1
                         break
                     set_aside(path, record, err)
@@ -442,6 +461,15 @@ def replay(root: str | Path, run_id: str = "*", discard: bool = True) -> tuple[i
     for run_dir in {path.parent for path in spool_files(root, run_id)} if discard else ():
         discard_sent(run_dir)
     return sent, left
+
+
+def replay_uri(written: str, live: str) -> str | None:
+    """Where a spool file whose header names the store `written` is replayed: this process's
+    store (`live`) when it is the same one, its URI masked alike (its credentials may have changed
+    since); else `written` itself, unless that was masked: then no URI the spool knows reaches it."""
+    if scrub(live) == scrub(written):
+        return live
+    return None if written == scrub(written) and url_credential(written) else written
 
 
 def discard_sent(run_dir: Path) -> bool:
