@@ -292,19 +292,48 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
     param.copy_(full)
 
 
+# Fields a GGUF file carries that transformers 5 does not read back into the config (its
+# GGUF_CONFIG_MAPPING has no entry for them), by the GGUF key after "<architecture>.": left out,
+# a Qwen3 whose head_dim is not Qwen3Config's 128 fails to load, and a Gemma 2's soft-capping
+# silently becomes Gemma2Config's defaults.
+GGUF_FIELDS_TRANSFORMERS_DROPS = {"attention.key_length": "head_dim",
+                                  "attn_logit_softcapping": "attn_logit_softcapping",
+                                  "final_logit_softcapping": "final_logit_softcapping"}
+
+
 def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     """A GGUF file (quantized or not) -> a Hugging Face directory: config.json, fp32
     model.safetensors and the tokenizer, dequantized by transformers (`gguf` package). Written
-    to a temporary sibling and renamed into place."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    to a temporary sibling and renamed into place. A family forgeline does not have, or a file
+    transformers cannot read, fails with a ValueError naming its model_type."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
-    shape = model_shape_from_hf(AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name))
+    config = gguf_config(gguf_file)
+    shape = model_shape_from_hf(config)
     with new_directory(out_dir) as tmp:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
-                                                     torch_dtype=torch.float32)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
+                                                         config=config, torch_dtype=torch.float32)
+        except (NotImplementedError, RuntimeError, ValueError) as err:
+            raise ValueError(f"transformers cannot read this GGUF file of model_type {config.model_type!r}: "
+                             f"{err}") from err
         model.hf_quantizer = None  # the weights are dequantized: save them as plain fp32
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name).save_pretrained(tmp)
         check_hf_weights(tmp, shape)
     return out_dir
+
+
+def gguf_config(gguf_file: Path) -> PretrainedConfig:
+    """The config transformers reads from `gguf_file`, with the fields it drops set from the file."""
+    import gguf
+    from transformers import AutoConfig
+
+    fields = gguf.GGUFReader(gguf_file).fields
+    architecture = fields["general.architecture"].contents()
+    config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    for key, name in GGUF_FIELDS_TRANSFORMERS_DROPS.items():
+        if f"{architecture}.{key}" in fields and hasattr(config, name):
+            setattr(config, name, fields[f"{architecture}.{key}"].contents())
+    return config

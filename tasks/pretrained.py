@@ -130,7 +130,11 @@ def resolve_base(cfg: Config) -> Base:
         directory, version = registry_base(cfg, match["name"], match["alias"], match["version"])
         return hf_base(uri, directory, model_version=version)
     if path.is_file() and path.suffix == ".gguf":
-        return hf_base(uri, gguf_base(path))
+        try:
+            directory = gguf_base(path)
+        except ValueError as err:  # a family forgeline lacks, or a file transformers cannot read: names it
+            raise ConfigError(f"model.init_from={uri}: {err}") from None
+        return hf_base(uri, directory)
     if path.is_dir() and (path / MANIFEST_NAME).is_file():
         return checkpoint_base(uri, path)
     if path.is_dir():
