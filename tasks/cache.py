@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 from forgeline.configs import Config
 from forgeline.tasks.atomic import write_text_atomic
+from forgeline.tasks.dvc_lock import record_in_dvc_lock
 from forgeline.tasks.stage import BASE, Stage, resolve, stage_named
 from forgeline.tasks.tracking import RunTracker, dvc_hash
 
@@ -75,12 +76,12 @@ def stage_inputs(stage: Stage, cfg: Config) -> dict[str, Any]:
     return inputs
 
 
-def write_base_stamp(cfg: Config) -> bool:
-    """Write the base's identity to its stamp (dvc.yaml's `base` stage), only if it changed: an
-    unchanged base leaves the file as it was, and the stages that depend on it are not rerun.
-    Whether it was written."""
+def write_base_stamp(cfg: Config, identity: dict[str, Any] | None = None) -> bool:
+    """Write the base's identity (resolved here unless given) to its stamp (dvc.yaml's `base`
+    stage), only if it changed: an unchanged base leaves the file as it was, and the stages that
+    depend on it are not rerun. Whether it was written."""
     path = BASE.path(cfg)
-    text = json.dumps(resolve(BASE.identity)(cfg), indent=2, sort_keys=True) + "\n"
+    text = json.dumps(identity or resolve(BASE.identity)(cfg), indent=2, sort_keys=True) + "\n"
     if path.is_file() and path.read_text() == text:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +173,9 @@ def run_cached(stage: Stage, cfg: Config, run: RunTracker, parent: RunTracker | 
                result_type: type[Result], compute: Callable[[], Result], force: bool = False) -> Result:
     """`compute()` unless an earlier run with the same inputs left outputs that still verify; then
     that run's result. `run` is tagged with the decision, and it and `parent` with where the
-    outputs are and their hash (what a later run's `upstream_run` reuse checks)."""
+    outputs are and their hash (what a later run's `upstream_run` reuse checks). Either way, in a
+    DVC repository whose dvc.yaml describes the run, the stage is recorded in dvc.lock
+    (tasks/dvc_lock.py)."""
     inputs = stage_inputs(stage, cfg)
     stamp = Stamp.read(stamp_path(stage, cfg))
     reason = "--force" if force else why_not_cached(stage, cfg, inputs, stamp)
@@ -191,6 +194,7 @@ def run_cached(stage: Stage, cfg: Config, run: RunTracker, parent: RunTracker | 
     for tracker in (run, parent):
         if tracker is not None:
             tracker.set_tags(outputs)
+    record_in_dvc_lock(stage, cfg, inputs.get(BASE.name))
     return result_type(**stamp.result)
 
 

@@ -1,0 +1,71 @@
+"""Which runs forgeline records in dvc.lock (tasks/dvc_lock.py): only the one dvc.yaml describes --
+its paths, and the params file's values of each stage's params -- never one DVC runs itself; and a
+lock it cannot write is a warning naming the remedy, not the stage's failure. (The records
+themselves, against `dvc commit`: tests/integration/test_stage_cache.py and test_dvc.py.)"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from forgeline.configs import load_config
+from forgeline.tasks.dvc_lock import dvc_stage_names, in_dvc_repository, record_in_dvc_lock, why_not_described
+from forgeline.tasks.dvc_yaml import render_dvc_yaml
+from forgeline.tasks.stage import stage_named
+from tests.conftest import REPO_ROOT
+
+DVC = str(Path(sys.executable).parent / "dvc")
+
+
+@pytest.fixture
+def described(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """dvc.yaml's stages for configs/tiny.yaml, in a working directory with that params file."""
+    (tmp_path / "configs").mkdir()
+    shutil.copy(REPO_ROOT / "configs" / "tiny.yaml", tmp_path / "configs" / "tiny.yaml")
+    (tmp_path / "dvc.yaml").write_text(render_dvc_yaml())
+    monkeypatch.chdir(tmp_path)
+    return yaml.safe_load((tmp_path / "dvc.yaml").read_text())["stages"]
+
+
+def test_only_the_run_dvc_yaml_describes_is_recorded(described: dict) -> None:
+    def not_described(*overrides: str) -> dict[str, str]:
+        cfg = load_config("configs/tiny.yaml", list(overrides))
+        return {name: reason for name in described if (reason := why_not_described(name, cfg, described))}
+
+    assert not_described() == {}
+    # The same directories, other values: DVC would record the file's values for what ran on these.
+    assert not_described("eval.dimensions.math.limit=5") == {
+        "eval": "this run's eval differ from configs/tiny.yaml's, which dvc.yaml's stage eval reads"}
+    # A key that names the run moves its directories: train's, and eval's and register's, which read it.
+    assert set(not_described("train.lr=0.01")) == {"train", "eval", "register"}
+    assert "paths or deps differ" in not_described("train.lr=0.01")["train"]
+    # A fine-tuning run under a pretraining dvc.yaml: its base and data are named elsewhere.
+    sft = load_config("smollm2-sft.yaml")  # the shipped one
+    assert dvc_stage_names(stage_named("sft")) == ("base", "sft")
+    assert why_not_described("sft", sft, described) == "dvc.yaml has no stage sft"
+
+
+def test_under_dvc_repro_nothing_is_recorded(described: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    Path(".dvc").mkdir()
+    assert in_dvc_repository()
+    monkeypatch.setenv("DVC_STAGE", "eval")  # DVC records the stage it runs, holding the repository lock
+    assert not in_dvc_repository()
+
+
+def test_a_lock_that_cannot_be_written_is_a_warning(described: dict,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The register stage's deps and outs are not there: DVC cannot commit it."""
+    subprocess.run(["git", "init", "-q"], check=True)
+    subprocess.run([DVC, "init", "-q"], check=True)
+    with caplog.at_level(logging.WARNING, logger="forgeline.tasks.dvc_lock"):
+        record_in_dvc_lock(stage_named("register"), load_config("configs/tiny.yaml"), None)
+    [warning] = [entry.getMessage() for entry in caplog.records if entry.name == "forgeline.tasks.dvc_lock"]
+    assert warning.startswith("dvc.lock: stages register not recorded (") and \
+        warning.endswith("`dvc status` may list them as changed until `dvc commit -f register`"), warning
+    assert not Path("dvc.lock").exists()
