@@ -5,12 +5,13 @@ tags and description (tasks/promote.py)."""
 
 from __future__ import annotations
 
+import json
 import re
 
 from mlflow import MlflowClient
 
 from forgeline.configs import Config
-from forgeline.tasks.promote import CHAMPION_ALIAS, DECISION_TAG, EVIDENCE_TAG_PREFIX
+from forgeline.tasks.promote import CHAMPION_ALIAS, DECISION_TAG, EVIDENCE_TAG, EVIDENCE_TAG_PREFIX
 from forgeline.tasks.register import CANDIDATE_ALIAS, RegisterResult
 from forgeline.tasks.tracking import resolve_tracking_uri
 
@@ -26,8 +27,10 @@ def registration_markdown(cfg: Config, result: RegisterResult) -> str:
     tags = version.tags
     decision = tags.get(DECISION_TAG, "")
     outcome = decision.partition(":")[0] or "undecided"
+    # A tag each, as versions decided before EVIDENCE_TAG held the rest have them, and EVIDENCE_TAG's.
     evidence = {key.removeprefix(EVIDENCE_TAG_PREFIX): value for key, value in tags.items()
-                if key.startswith(EVIDENCE_TAG_PREFIX)}
+                if key.startswith(EVIDENCE_TAG_PREFIX) and key != EVIDENCE_TAG}
+    evidence |= json.loads(tags.get(EVIDENCE_TAG, "{}"))
     champion = None if CHAMPION_ALIAS not in aliases else str(aliases[CHAMPION_ALIAS])
     now = ", ".join(f"@{name} -> v{number}" for name, number in sorted(aliases.items()))
     lines = [f"## {result.model_name} version {result.version}: {outcome}", "",

@@ -44,6 +44,7 @@ against -- else the gate decides again, against the new one.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -73,7 +74,10 @@ log = logging.getLogger(__name__)
 
 CHAMPION_ALIAS = "champion"
 DECISION_TAG = "forgeline.promotion"
-EVIDENCE_TAG_PREFIX = "forgeline.promotion."  # + "versus", "overall", "dimension/<name>", "p_values"...
+EVIDENCE_TAG_PREFIX = "forgeline.promotion."  # + "versus": the champion the decision faced
+# The rest of the evidence, in one tag (JSON: "overall", "shared_items", "dimension/<name>",
+# "p_values", "resolution"): one tag each filled MLflow's versions list with a column per row.
+EVIDENCE_TAG = f"{EVIDENCE_TAG_PREFIX}evidence"
 # A promotion's decision, written before the alias moves and replaced by DECISION_TAG after: a
 # process that dies in between leaves the champion with it, and the next `promote` records it.
 PENDING_TAG = "forgeline.promotion.pending"
@@ -339,21 +343,21 @@ def window_of(candidate: EvaluatedItems, export: Path, label: str) -> dict[str, 
 
 
 def evidence_tags(comparison: dict, champion: str, advice: str) -> dict[str, str]:
-    """The intervals a decision rests on, as version tags."""
-    tags = {"versus": f"version {champion}",
-            "overall": signed_interval(comparison["overall"], comparison["overall_ci95"]),
+    """The intervals a decision rests on, as two version tags: the champion it faced, and the
+    rest under EVIDENCE_TAG (flows/reports.py renders them)."""
+    evidence = {"overall": signed_interval(comparison["overall"], comparison["overall_ci95"]),
             "shared_items": str(sum(comparison["shared_items"].values()))}
-    tags |= {f"dimension/{name}": signed_interval(entry["difference"], entry["ci95"])
-             for name, entry in comparison["dimensions"].items()}
+    evidence |= {f"dimension/{name}": signed_interval(entry["difference"], entry["ci95"])
+                 for name, entry in comparison["dimensions"].items()}
     if comparison["overall_p_value"] is not None:
         corrected = corrected_p_values(comparison)
         tested = {OVERALL: comparison["overall_p_value"]} | {
             name: entry["p_value"] for name, entry in comparison["dimensions"].items()}
-        tags["p_values"] = "; ".join(f"{name} {p_value:.3g} (corrected {corrected[name]:.3g})"
-                                     for name, p_value in tested.items())
+        evidence["p_values"] = "; ".join(f"{name} {p_value:.3g} (corrected {corrected[name]:.3g})"
+                                         for name, p_value in tested.items())
     if advice:
-        tags["resolution"] = advice
-    return {EVIDENCE_TAG_PREFIX + key: value for key, value in tags.items()}
+        evidence["resolution"] = advice
+    return {f"{EVIDENCE_TAG_PREFIX}versus": f"version {champion}", EVIDENCE_TAG: json.dumps(evidence)}
 
 
 def decide(cfg: Config, client: MlflowClient, candidate: ModelVersion,

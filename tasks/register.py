@@ -148,16 +148,11 @@ class RegisterResult:
 
 def register_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> RegisterResult:
     """The register stage's function (tasks/stage.py): a version of the trained checkpoint,
-    tagged with its lineage and eval scores -- the one registered before for the same checkpoint
+    tagged with its lineage and overall score -- the one registered before for the same checkpoint
     and scores, if any --, then the promotion gate, unless it decided on that version before."""
     train = read_train_summary(cfg)
     scores = read_eval_metrics(cfg)
     tokenizer_dir = Path(cfg.data.out_dir) / "tokenizer"
-    version_tags = {DATA_VERSION_TAG: dvc_hash(cfg.data.out_dir),
-                    "forgeline.checkpoint_step": str(train.step),
-                    **{f"eval.{k}": f"{v:.6g}" for k, v in scores.items() if is_version_score(k)}}
-    if parent:
-        version_tags["forgeline.pipeline_run_id"] = parent.run_id
     # The per-item results go with the version (the gate pairs them with the champion's): a version
     # registered before they land would be judged on no items, "inconclusive" for good.
     try:
@@ -166,11 +161,9 @@ def register_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> R
         raise RegistrationError(f"the eval's per-item results did not reach the registry's store: {err}. "
                                 "Nothing was registered; rerun the register stage once the store "
                                 "answers") from err
-    if parent:  # the runs that made it (the store answered just now)
-        made_by = run.client.get_run(parent.run_id).data.tags
-        version_tags |= {tag: made_by[tag] for tag in (TRAIN_RUN_TAG, EVAL_RUN_TAG) if tag in made_by}
+    tags = version_tags(cfg, train.step, scores["overall"], parent)  # the store answered just now
     key = registration_key(cfg.registry.model_name, Path(train.checkpoint), tokenizer_dir, scores)
-    registered = register_model(cfg, run, train.checkpoint, str(tokenizer_dir), version_tags, key)
+    registered = register_model(cfg, run, train.checkpoint, str(tokenizer_dir), tags, key)
     uri = run.client.tracking_uri
     registry = MlflowClient(uri, uri)
     try:
@@ -197,11 +190,18 @@ def registration_key(model_name: str, checkpoint: Path, tokenizer_dir: Path, sco
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def is_version_score(metric: str) -> bool:
-    """The eval metrics a version is tagged with: the overall and dimension scores, their standard
-    errors and the detectable difference (not every task's, nor the base's)."""
-    return metric.removeprefix("stderr/").removeprefix("detectable/") == "overall" or \
-        metric.removeprefix("stderr/").startswith("dimension/")
+def version_tags(cfg: Config, step: int, overall: float, parent: RunTracker | None) -> dict[str, str]:
+    """What identifies a version, as its tags: the data, the checkpoint's step, the overall score,
+    and with a parent the runs that made it. Every other score is a metric of those runs
+    (`eval/...`) and the gate's evidence has tags of its own (tasks/promote.py): a tag each here
+    filled MLflow's versions list with a column of them per row."""
+    tags = {DATA_VERSION_TAG: dvc_hash(cfg.data.out_dir), "forgeline.checkpoint_step": str(step),
+            "eval.overall": f"{overall:.6g}"}
+    if parent:
+        made_by = parent.client.get_run(parent.run_id).data.tags
+        tags["forgeline.pipeline_run_id"] = parent.run_id
+        tags |= {tag: made_by[tag] for tag in (TRAIN_RUN_TAG, EVAL_RUN_TAG) if tag in made_by}
+    return tags
 
 
 def record_registration(cfg: Config, run: RunTracker, parent: RunTracker | None,

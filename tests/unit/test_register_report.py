@@ -68,3 +68,21 @@ def test_a_promotion_names_the_champion_it_replaced(registry) -> None:
     markdown = registration_markdown(cfg, decided(client, decision, champion="2"))
     assert markdown.startswith("## m version 2: promoted\n")
     assert "- alias moves: @candidate -> v2, @champion -> v2 (from v1)" in markdown
+
+
+def test_the_evidence_is_two_version_tags_and_a_version_decided_before_reads_as_it_did(registry) -> None:
+    """The champion faced and the rest in one tag: one tag each (12 here, 15 with seven
+    dimensions) filled MLflow's versions list with a column per row. A version decided before
+    keeps its tag per interval, and its report reads them."""
+    assert evidence_tags(COMPARISON, "1", "advice").keys() == {"forgeline.promotion.versus",
+                                                               "forgeline.promotion.evidence"}
+    cfg, client = registry
+    decision = Decision("m", "2", "1", REJECTED, ["worse on knowledge"], gist="worse on knowledge")
+    result = decided(client, decision, champion="1")
+    client.delete_model_version_tag("m", "2", "forgeline.promotion.evidence")
+    for key, value in {"overall": "+0.0120 [-0.0040, +0.0280]", "shared_items": "50",
+                       "dimension/knowledge": "-0.0300 [-0.0410, -0.0190]"}.items():
+        client.set_model_version_tag("m", "2", f"forgeline.promotion.{key}", value)
+    markdown = registration_markdown(cfg, result)
+    assert "Candidate minus champion (version 1), with the 95 % interval, on 50 shared items" in markdown
+    assert "| knowledge | -0.0300 [-0.0410, -0.0190] |" in markdown

@@ -15,6 +15,7 @@ from mlflow import MlflowClient
 from forgeline.model.checkpoint.manager import MANIFEST_NAME
 from forgeline.tasks.evaluate import (
     CHART_NAME,
+    EVAL_RUN_TAG,
     ITEMS_NAME,
     REPORT_NAME,
     RESULTS_NAME,
@@ -22,11 +23,12 @@ from forgeline.tasks.evaluate import (
     EvalResult,
     record_eval,
 )
-from forgeline.tasks.register import RegisterResult, record_registration
+from forgeline.tasks.register import RegisterResult, record_registration, version_tags
 from forgeline.tasks.runner import STAGE_TAG
 from forgeline.tasks.tracking import (
     CONTINUED_FROM_TAG,
     CONTINUED_IN_TAG,
+    DATA_VERSION_TAG,
     PARAM_CHANGED_TAG,
     RUNS_VIEW_KEY,
     RUNS_VIEW_TAG,
@@ -128,3 +130,20 @@ def test_a_continued_run_moves_under_the_new_parent_and_keeps_its_params(tmp_pat
         with tracked_run(cfg, "train", third.run_id, continues=stopped.run_id) as fresh:
             pass
     assert fresh.run_id != stopped.run_id
+
+
+def test_a_version_is_tagged_with_what_identifies_it_and_no_more(tmp_path: Path) -> None:
+    """The data, the step, the overall score and the runs that made it: the other scores (16 with
+    seven dimensions) are the eval run's and the parent's metrics, which MLflow's versions list
+    showed as a column of truncated tags per row."""
+    cfg = debug_config(tmp_path)
+    Path(cfg.data.out_dir).mkdir(parents=True)
+    (Path(cfg.data.out_dir) / "manifest.json").write_text("{}")
+    with tracked_run(cfg, "pipeline") as parent:
+        parent.set_tags({TRAIN_RUN_TAG: "t1", EVAL_RUN_TAG: "e1"})
+        tags = version_tags(cfg, 300, 0.25, parent)
+    assert tags.keys() == {DATA_VERSION_TAG, "forgeline.checkpoint_step", "eval.overall",
+                           "forgeline.pipeline_run_id", TRAIN_RUN_TAG, EVAL_RUN_TAG}
+    assert (tags["forgeline.checkpoint_step"], tags["eval.overall"]) == ("300", "0.25")
+    assert (tags[TRAIN_RUN_TAG], tags[EVAL_RUN_TAG]) == ("t1", "e1")
+    assert tags["forgeline.pipeline_run_id"] == parent.run_id
