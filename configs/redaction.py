@@ -7,7 +7,8 @@ masking keeps the ones that come anyway -- a URL from the environment such as
 $MLFLOW_TRACKING_URI, an exception message from a client library -- out of MLflow's params and
 tags (tasks/tracking.py `redact`), of the console and of the log Prefect's API handler sends to
 its server. Entry points install the filter once Prefect has set up its handlers
-(`install_log_scrubber`).
+(`install_log_scrubber`); a Dask worker, whose handlers come with what its tasks import, masks
+every record as it is made (`scrub_every_record`, tasks/data/on_workers.py).
 """
 
 from __future__ import annotations
@@ -119,6 +120,30 @@ class ScrubURLCredentials(logging.Filter):
         if record.stack_info:
             record.stack_info = scrub(record.stack_info)
         return True
+
+
+class _ScrubbingRecordFactory:
+    """logging's record factory: each record masked (ScrubURLCredentials) as it is made."""
+
+    def __init__(self, make: Callable[..., logging.LogRecord]):
+        self.make = make
+
+    def __call__(self, *args: object, **kwargs: object) -> logging.LogRecord:
+        record = self.make(*args, **kwargs)
+        try:
+            ScrubURLCredentials().filter(record)
+        except Exception:  # noqa: BLE001 -- arguments that do not format: logging reports it when it emits
+            pass
+        return record
+
+
+def scrub_every_record() -> None:
+    """Mask URL credentials in every log record this process makes from now on, whichever
+    handler emits it: a Dask worker's handlers come and go with what its tasks import (Prefect
+    sets up its own when the first task run arrives), after any filter could be installed."""
+    factory = logging.getLogRecordFactory()
+    if not isinstance(factory, _ScrubbingRecordFactory):
+        logging.setLogRecordFactory(_ScrubbingRecordFactory(factory))
 
 
 def install_log_scrubber() -> None:

@@ -59,7 +59,7 @@ from forgeline.tasks.atomic import remove_stale_staging, replace_dir, staging_di
 from forgeline.tasks.data import work as w
 from forgeline.tasks.data.chat import load_chat_tokenizer, resolve_template, template_sha256
 from forgeline.tasks.data.clean import lsh_bands
-from forgeline.tasks.data.executor import Executor, close_local_clusters, executor_for
+from forgeline.tasks.data.executor import Executor, check_workers_code, close_local_clusters, executor_for
 from forgeline.tasks.data.snapshot import (
     SOURCES_NAME,
     Member,
@@ -151,6 +151,8 @@ def build_from_snapshot(cfg: Config) -> DataResult:
                          "check their paths and text fields")
     partitions = partition_members(members, dcfg.partition_mb)
     num_workers = dcfg.num_workers or len(os.sched_getaffinity(0))
+    if dcfg.executor == "dask" and dcfg.dask_address:  # a local cluster runs this checkout
+        check_workers_code(dcfg.dask_address, w.__name__)
     with staging_dir(out_dir) as tmp, executor_for(dcfg.executor, dcfg.dask_address, num_workers) as executor:
         plan = w.Plan(work_dir=str(tmp / ".work"), raw_dir=dcfg.raw_dir, cleaning=dcfg.cleaning,
                       labels=tuple(source.label for source in dcfg.sources),

@@ -14,11 +14,17 @@ again), except that the data stage closes it when done (`close_local_clusters`),
 workers share the cores with the training that follows. A worker that dies mid-task (killed,
 out of memory) has its task recomputed by Dask on another; a task that fails for good raises
 `PartitionFailed`, naming the partition and its sources.
+
+A cluster at an address runs its own installed forgeline and libraries: the build refuses it
+before any work when a worker's differ from this process's (`check_workers_code`, raising
+`WorkersRunOtherCode`). Every cluster's workers mask URL credentials in their log records, as
+this process does (on_workers.py).
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import logging
 import multiprocessing
 import os
@@ -39,6 +45,11 @@ _LOCAL_CLUSTERS: dict[int, object] = {}
 
 class PartitionFailed(RuntimeError):
     """A piece of the build failed on its worker; the message names the partition and sources."""
+
+
+class WorkersRunOtherCode(RuntimeError):
+    """A cluster's workers would run other forgeline code, or other library versions, than the
+    data stage's key records; the message names the workers and what differs."""
 
 
 class Work(Protocol):
@@ -136,6 +147,7 @@ class DaskExecutor:
         # inherited by the training ranks launched next, they slowed training by a third.
         self.environ = dict(os.environ)
         address = self.address or local_cluster(self.num_workers).scheduler_address
+        mask_credentials_in_worker_logs(address)
         self.api_url = None
         if FlowRunContext.get() or TaskRunContext.get():
             from prefect_dask import DaskTaskRunner
@@ -177,6 +189,52 @@ class DaskExecutor:
 
     def map(self, name: str, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         return self.submit(name, fn, items).results()
+
+
+def check_workers_code(address: str, module: str) -> None:
+    """Refuse the cluster at `address` when a worker would run other code for the functions of
+    `module` than this process: its own installed forgeline (the source of `module` and of the
+    forgeline modules it imports, as this process imported them) or other versions of the
+    libraries they import. The stage's key records this process's. Workers that join after the
+    check are not seen."""
+    from distributed import Client
+
+    from forgeline.tasks import code_inputs
+    from forgeline.tasks.data.on_workers import code_here
+
+    used = code_inputs.reached((module,))
+    modules = sorted(used.modules)
+    hashes = {name: hashlib.sha256(code_inputs.imported_source(code_inputs.module_file(name))).hexdigest()
+              for name in modules}
+    versions = code_inputs.installed_versions(used.third_party)
+    with Client(address, set_as_default=False, timeout=60) as client:
+        theirs = client.run(code_here, modules, sorted(versions), code_inputs.__name__)
+    differences = []
+    for worker, (their_hashes, their_versions) in sorted(theirs.items()):
+        differences += [f"{worker}: {name} {short(their_hashes[name])} (here {short(digest)})"
+                        for name, digest in hashes.items() if their_hashes[name] != digest]
+        differences += [f"{worker}: {name} {their_versions[name]} (here {version})"
+                        for name, version in versions.items() if their_versions[name] != version]
+    if differences:
+        raise WorkersRunOtherCode(
+            f"the Dask workers at {address} run other code than this process, so the data stage's key "
+            f"would not say what built its output: {'; '.join(differences)}. Install this checkout's "
+            "forgeline (and its lock) on the workers, or leave data.dask_address unset")
+
+
+def short(digest: str | None) -> str:
+    return "missing" if digest is None else digest[:12]
+
+
+def mask_credentials_in_worker_logs(address: str) -> None:
+    """Have every worker of the cluster, those that join later included, mask URL credentials in
+    its log records, as this process does: the partition work logs what the stage passes it."""
+    from distributed import Client
+
+    from forgeline.tasks.data.on_workers import MaskCredentialsInLogs
+
+    with Client(address, set_as_default=False, timeout=60) as client:
+        client.register_plugin(MaskCredentialsInLogs())
 
 
 def restore_environ(saved: dict[str, str]) -> None:

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,9 +25,11 @@ from forgeline.model.fileio import sha256_file
 from forgeline.tasks.data import executor as data_executor
 from forgeline.tasks.data import snapshot
 from forgeline.tasks.data.build import build_dataset, partition_members
+from forgeline.tasks.data.executor import WorkersRunOtherCode
 from forgeline.tasks.data.snapshot import snapshot_members, take_snapshot
 from tests.conftest import debug_config, output_overrides
 from tests.integration.helpers import VENV_BIN, free_port, run, serving, user_env
+from tests.unit.test_code_inputs import package_copy, touch
 
 pytestmark = pytest.mark.integration
 
@@ -96,6 +98,31 @@ def test_output_is_byte_identical_across_executors_workers_and_partitions(
         assert not any(profiling)
 
 
+def test_a_secret_a_worker_logs_reaches_its_log_masked(capfd: pytest.CaptureFixture[str]) -> None:
+    """The partition work logs what the stage passes it (a source's URL, the tracking store's):
+    each worker process of the cluster masks credentials in its records, through its own
+    handlers and Python's last-resort one (a logger without any) alike."""
+    secret = "s3://AKIAEXAMPLE:hunter2-worker@bucket/pages?X-Amz-Signature=sig-worker-secret"
+
+    def log_secret(_: int) -> int:
+        logging.getLogger("forgeline.tasks.data.work").warning("reading %s", secret)
+        logging.getLogger("distributed.worker").warning("from %s", secret)
+        return os.getpid()
+
+    # A cluster of its own: a worker writes to the stderr it started with (an earlier test's capture).
+    data_executor.close_local_clusters()
+    try:
+        with data_executor.DaskExecutor(None, 1) as executor:
+            [worker_pid] = executor.map("log", log_secret, [0])
+    finally:
+        data_executor.close_local_clusters()
+    assert worker_pid != os.getpid()  # the records were made in the worker's process
+    output = capfd.readouterr().err  # the worker writes to the stderr it inherited from here
+    assert "reading s3://AKIAEXAMPLE:***@bucket/pages?X-Amz-Signature=***" in output, output[-3000:]
+    assert "from s3://AKIAEXAMPLE:***@bucket" in output
+    assert "hunter2" not in output and "sig-worker-secret" not in output
+
+
 # -- a real cluster: `dask scheduler` and `dask worker` processes on 127.0.0.1 --------------------
 
 
@@ -109,24 +136,30 @@ class Cluster:
         return "\n".join(log.read_text() for log in self.worker_logs)
 
 
-@pytest.fixture
-def dask_cluster(tmp_path: Path) -> Iterator[Cluster]:
-    """A scheduler and two single-threaded workers, each under its nanny (which restarts a killed
-    worker); all stopped (SIGTERM, then SIGKILL) at the end."""
+@contextmanager
+def running_cluster(root: Path, workers: int, worker_env: dict[str, str]) -> Iterator[Cluster]:
+    """A scheduler and `workers` single-threaded workers, each under its nanny (which restarts a
+    killed worker); all stopped (SIGTERM, then SIGKILL) at the end."""
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    env = user_env(tmp_path)
     dask = str(VENV_BIN / "dask")
-    logs = tuple(tmp_path / f"worker-{n}.log" for n in range(2))
+    logs = tuple(root / f"worker-{n}.log" for n in range(workers))
     with ExitStack() as stack:  # stopped in reverse: the workers, then the scheduler
         stack.enter_context(serving([dask, "scheduler", "--host", "127.0.0.1", "--port", str(port),
-                                     "--no-dashboard"], env, tmp_path / "scheduler.log"))
+                                     "--no-dashboard"], user_env(root), root / "scheduler.log"))
         for n, log in enumerate(logs):
             stack.enter_context(serving([dask, "worker", address, "--nthreads", "1", "--host", "127.0.0.1",
-                                         "--no-dashboard", "--name", f"worker-{n}"], env, log))
+                                         "--no-dashboard", "--name", f"worker-{n}"], worker_env, log))
         with Client(address, timeout=60) as client:
-            client.wait_for_workers(2, timeout=120)
-        yield Cluster(address, tmp_path / "scheduler.log", logs)
+            client.wait_for_workers(workers, timeout=120)
+        yield Cluster(address, root / "scheduler.log", logs)
+
+
+@pytest.fixture
+def dask_cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A scheduler and two workers of this checkout."""
+    with running_cluster(tmp_path, 2, user_env(tmp_path)) as cluster:
+        yield cluster
 
 
 def stage_data(root: Path, raw_dir: Path, *overrides: str) -> list[str]:
@@ -182,6 +215,26 @@ def test_dask_workers_report_to_the_stages_temporary_prefect_api(tmp_path: Path,
     output = done.stdout + done.stderr
     assert "Task run 'data-clean-0' - Finished in state Completed" in output  # the worker's lines are here
     assert output.count("Starting temporary server") == 1, output[-6000:]
+
+
+@pytest.mark.slow
+def test_a_cluster_whose_workers_run_other_code_is_refused_before_any_work(tmp_path: Path,
+                                                                          raw_dir: Path) -> None:
+    """A cluster that is not this process's runs its own installed forgeline: here a copy with
+    the cleaning edited. The stage's key would record this process's code, so it is refused."""
+    other = package_copy(tmp_path / "other")
+    touch(other / "tasks" / "data" / "clean.py")
+    worker_env = user_env(tmp_path) | {"PYTHONPATH": str(other.parent)}
+    with running_cluster(tmp_path, 1, worker_env) as cluster:
+        cfg = build_config(tmp_path / "out", raw_dir, "data.executor=dask",
+                           f"data.dask_address={cluster.address}")
+        with pytest.raises(WorkersRunOtherCode) as refused:
+            build_dataset(cfg, from_snapshot=True)
+        # Only the edited module differs: the rest of the copy is this checkout's.
+        differs = r"tcp://127\.0\.0\.1:\d+: forgeline\.tasks\.data\.clean [0-9a-f]{12} \(here [0-9a-f]{12}\)"
+        assert re.search(rf"run other code than this process, .*: {differs}\. Install", str(refused.value))
+        assert "clean_partition" not in scheduler_prefixes(cluster.address)  # refused before any work
+        assert not any((tmp_path / "out").rglob("*")), "nothing written"
 
 
 def kill_a_worker_executing(address: str, prefix: str, stage: subprocess.Popen, deadline: float) -> int:

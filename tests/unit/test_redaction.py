@@ -17,6 +17,7 @@ from forgeline.configs.redaction import (
     credentials_masked_in_errors,
     install_log_scrubber,
     scrub,
+    scrub_every_record,
     url_credential,
 )
 from forgeline.tasks.stage import stage_named
@@ -147,6 +148,23 @@ def test_the_log_scrubber_masks_query_secrets_in_messages_and_tracebacks() -> No
     assert "MLflow runs in http://127.0.0.1:5000/?token=***" in text
     assert "download of https://h/x?sig=*** failed" in text
     assert "PermissionError: 403 on https://b.s3.amazonaws.com/k?X-Amz-Signature=***" in text
+
+
+def test_every_record_made_is_masked_whichever_handler_comes_later() -> None:
+    """A Dask worker's way: its handlers come with what its tasks import, after setup."""
+    factory = logging.getLogRecordFactory()
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("forgeline.test_redaction.later")
+    try:
+        scrub_every_record()
+        logger.addHandler(handler)  # no filter of its own
+        logger.warning("reading %s", f"s3://AKIA:{SECRET}@bucket/pages")
+    finally:
+        logger.removeHandler(handler)
+        logging.setLogRecordFactory(factory)
+    assert stream.getvalue().startswith("reading s3://AKIA:***@bucket/pages\n")
+    assert SECRET not in stream.getvalue()
 
 
 def test_an_error_leaving_a_task_is_masked_with_the_errors_it_came_from() -> None:
