@@ -9,13 +9,20 @@ import logging
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from forgeline.configs import load_config
-from forgeline.tasks.dvc_lock import dvc_stage_names, in_dvc_repository, record_in_dvc_lock, why_not_described
+from forgeline.tasks.dvc_lock import (
+    commit,
+    dvc_stage_names,
+    in_dvc_repository,
+    record_in_dvc_lock,
+    why_not_described,
+)
 from forgeline.tasks.dvc_yaml import render_dvc_yaml
 from forgeline.tasks.stage import stage_named
 from tests.conftest import REPO_ROOT
@@ -69,3 +76,28 @@ def test_a_lock_that_cannot_be_written_is_a_warning(described: dict,
     assert warning.startswith("dvc.lock: stages register not recorded (") and \
         warning.endswith("`dvc status` may list them as changed until `dvc commit -f register`"), warning
     assert not Path("dvc.lock").exists()
+
+
+def test_a_commit_waits_for_another_dvc_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process holds DVC's repository lock for 5 s, longer than DVC's own 3 s of retries
+    (two stages of two flows finishing at once, a `dvc commit` copying a checkpoint): the commit
+    waits for it, then records its stage."""
+    monkeypatch.chdir(tmp_path)
+    subprocess.run(["git", "init", "-q"], check=True)
+    subprocess.run([DVC, "init", "-q"], check=True)
+    Path("dep.txt").write_text("in\n")
+    Path("out.txt").write_text("out\n")
+    Path("dvc.yaml").write_text(yaml.safe_dump({"stages": {"s": {"cmd": "true", "deps": ["dep.txt"],
+                                                                 "outs": ["out.txt"]}}}))
+    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom dvc.repo import Repo\n"
+                               "Repo('.').lock.lock()\nprint('locked', flush=True)\ntime.sleep(5)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        started = time.monotonic()
+        commit(["s"])
+        assert time.monotonic() - started > 2
+    finally:
+        holder.wait(timeout=30)
+    [out] = yaml.safe_load(Path("dvc.lock").read_text())["stages"]["s"]["outs"]
+    assert out["path"] == "out.txt" and out["md5"]
