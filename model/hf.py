@@ -29,10 +29,12 @@ permuted alike.
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
@@ -293,12 +295,15 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 # Fields a GGUF file carries that transformers 5 does not read back into the config (its
-# GGUF_CONFIG_MAPPING has no entry for them), by the GGUF key after "<architecture>.": left out,
-# a Qwen3 whose head_dim is not Qwen3Config's 128 fails to load, and a Gemma 2's soft-capping
-# silently becomes Gemma2Config's defaults.
+# GGUF_CONFIG_MAPPING has no entry for them), by the GGUF key after "<architecture>.". Left out,
+# a Qwen3 whose head_dim is not Qwen3Config's 128 fails to load, and a Gemma 2's soft-capping or
+# a Phi-3's sliding window silently becomes the config class's default.
 GGUF_FIELDS_TRANSFORMERS_DROPS = {"attention.key_length": "head_dim",
+                                  "attention.sliding_window": "sliding_window",
                                   "attn_logit_softcapping": "attn_logit_softcapping",
                                   "final_logit_softcapping": "final_logit_softcapping"}
+ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+"""Where llama.cpp writes a longrope scaling (Phi-3 128k, Phi-3.5, Phi-4-mini), unread by transformers."""
 
 
 def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
@@ -326,14 +331,62 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
 
 
 def gguf_config(gguf_file: Path) -> PretrainedConfig:
-    """The config transformers reads from `gguf_file`, with the fields it drops set from the file."""
+    """The config transformers reads from `gguf_file`, with the fields it drops set from the file:
+    those of GGUF_FIELDS_TRANSFORMERS_DROPS and the rope scaling (gguf_rope_scaling)."""
     import gguf
     from transformers import AutoConfig
 
-    fields = gguf.GGUFReader(gguf_file).fields
-    architecture = fields["general.architecture"].contents()
+    reader = gguf.GGUFReader(gguf_file)
+    prefix = reader.fields["general.architecture"].contents() + "."
+    fields = {key.removeprefix(prefix): field.contents() for key, field in reader.fields.items()
+              if key.startswith(prefix)}
     config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     for key, name in GGUF_FIELDS_TRANSFORMERS_DROPS.items():
-        if f"{architecture}.{key}" in fields and hasattr(config, name):
-            setattr(config, name, fields[f"{architecture}.{key}"].contents())
+        if key in fields and hasattr(config, name):
+            setattr(config, name, fields[key] or None)  # llama.cpp writes a Phi-3 without a window as 0
+    tensors = {tensor.name: tensor.data for tensor in reader.tensors if not tensor.name.startswith("blk.")}
+    if any(name in tensors for name in ROPE_FACTOR_TENSORS):
+        raise ValueError(f"the GGUF file's longrope scaling ({', '.join(ROPE_FACTOR_TENSORS)}; model_type "
+                         f"{config.model_type!r}) is not read back by transformers: start from the model's "
+                         "Hugging Face directory")
+    rope_freqs = tensors.get("rope_freqs.weight")
+    scaling = gguf_rope_scaling(config, fields.get("rope.scaling.type"), fields.get("rope.scaling.factor"),
+                                rope_freqs)
+    if scaling:
+        # Gemma 3 keeps rope parameters per layer type and scales its global layers only.
+        parameters = config.rope_parameters
+        parameters.get("full_attention", parameters).update(scaling)
     return config
+
+
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""What every Llama 3.1, 3.2 and 3.3 scales rope by, besides its factor (8 or 32)."""
+
+
+def gguf_rope_scaling(config: PretrainedConfig, kind: str | None, factor: float | None,
+                      rope_freqs: np.ndarray | None) -> dict | None:
+    """The rope scaling a GGUF file carries, which transformers does not read back: llama.cpp
+    writes linear scaling as metadata, and Llama 3's as the per-frequency factors it divides by
+    (the rope_freqs tensor), recognized here as LLAMA3_ROPE with their largest as the factor.
+    Any other is refused naming it: read without it, the model would compute other logits."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind not in (None, "none"):
+        raise ValueError(f"the GGUF file's rope scaling {kind!r} (model_type {config.model_type!r}) is not "
+                         "read back by transformers: start from the model's Hugging Face directory")
+    if rope_freqs is None:
+        return None
+    scaling = {"rope_type": "llama3", "factor": float(rope_freqs.max()), **LLAMA3_ROPE}
+    parameters = config.rope_parameters
+    scaled = copy.deepcopy(config)
+    scaled.rope_parameters = parameters | scaling
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](scaled, "cpu")
+    dims = 2 * inv_freq.numel()
+    unscaled = 1.0 / parameters["rope_theta"] ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)
+    if not np.allclose(unscaled.numpy() / inv_freq.double().numpy(), rope_freqs, rtol=1e-5):
+        raise ValueError(f"the GGUF file's rope_freqs (model_type {config.model_type!r}) are not Llama 3's "
+                         f"rope scaling {LLAMA3_ROPE} with any factor, and transformers does not read them "
+                         "back: start from the model's Hugging Face directory")
+    return scaling

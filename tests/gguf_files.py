@@ -15,23 +15,36 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tests.unit.test_families import COMMON, WINDOW, randomize_gains_and_biases
 
-# One config per family, each delta the file can carry on (q/k/v biases, q/k norms, a head_dim
-# that is not hidden / heads, sliding windows, soft-capping, fused projections, tied embeddings).
+# One config per family and rope scaling a GGUF file carries, each delta the file can carry on
+# (q/k/v biases, q/k norms, a head_dim that is not hidden / heads, sliding windows, soft-capping,
+# fused projections, tied embeddings).
 CONFIGS = {
     "llama": dict(tie_word_embeddings=False),
+    # Llama 3.2's rope scaling, which llama.cpp writes as a rope_freqs tensor.
+    "llama-llama3-rope": dict(model_type="llama", tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "llama-linear-rope": dict(model_type="llama", rope_parameters={"rope_type": "linear", "rope_theta": 1e4,
+                                                                   "factor": 2.0}),
     "mistral": dict(head_dim=24),
     "qwen2": dict(tie_word_embeddings=True),
     "qwen3": dict(head_dim=24, tie_word_embeddings=False),
-    "phi3": dict(tie_word_embeddings=False),
+    "phi3": dict(sliding_window=WINDOW),
+    "phi3-untied-full": dict(model_type="phi3", sliding_window=None, tie_word_embeddings=False),
     "gemma2": dict(head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0,
                    final_logit_softcapping=3.0),
-    "gemma3_text": dict(head_dim=24, sliding_window=WINDOW),
+    # Gemma 3 4B's global rope scaling; a GGUF file carries no rope theta of the sliding layers, nor
+    # which layers slide (transformers and llama.cpp: five in six, so the sixth is the first global).
+    "gemma3_text": dict(head_dim=24, sliding_window=WINDOW, num_hidden_layers=6, rope_parameters={
+        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
 }
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
                  "gemma2": "gemma2", "gemma3_text": "gemma3"}
@@ -41,11 +54,17 @@ SENTENCEPIECE = {"phi3", "gemma2", "gemma3_text"}
 """The families whose GGUF files carry a sentencepiece ("llama") tokenizer; the others a
 byte-level BPE ("gpt2") one, as Llama 3, Mistral's tekken and Qwen do."""
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
+ROPE_FREQS = f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS]}.weight"
+ROPE_FACTORS = {"long": f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_LONG]}.weight",
+                "short": f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT]}.weight"}
 
 
-def tiny_model(model_type: str) -> torch.nn.Module:
+def tiny_model(name: str, **fields) -> torch.nn.Module:
+    """The model of CONFIGS[name], `fields` changed."""
+    fields = CONFIGS[name] | fields
+    model_type = fields.pop("model_type", name)
     torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **COMMON, **CONFIGS[model_type])
+    config = AutoConfig.for_model(model_type, **(COMMON | fields))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomize_gains_and_biases(model)
     return model
@@ -67,11 +86,17 @@ def write_gguf(model: torch.nn.Module, path: Path, name: str | None = None,
     else:
         add_byte_level_tokenizer(writer, config.vocab_size)
     names = gguf.get_tensor_name_map(gguf_arch(ARCHITECTURES[config.model_type]), config.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
+    for key, tensor in model.state_dict().items():
+        if key == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a tied output projection is the embedding: llama.cpp writes no output.weight
-        stem, suffix = name.rsplit(".", 1)
-        writer.add_tensor(f"{names.get_name(stem)}.{suffix}", as_stored(config, name, tensor).numpy())
+        stem, suffix = key.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(stem)}.{suffix}", as_stored(config, key, tensor).numpy())
+    rope = rope_parameters(config)
+    if rope["rope_type"] == "llama3":
+        writer.add_tensor(ROPE_FREQS, llama3_rope_freqs(model))
+    if rope["rope_type"] == "longrope":
+        for kind in ("long", "short"):
+            writer.add_tensor(ROPE_FACTORS[kind], np.array(rope[f"{kind}_factor"], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -96,19 +121,32 @@ def add_hyperparameters(writer: gguf.GGUFWriter, config: PretrainedConfig) -> No
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(rope_theta(config))
-    if getattr(config, "sliding_window", None):
-        writer.add_sliding_window(config.sliding_window)
+    rope = rope_parameters(config)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] not in ("default", "llama3", "longrope"):  # those two: tensors
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        writer.add_rope_scaling_factor(rope["factor"])
+    if config.model_type == "phi3" or getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window or 0)  # llama.cpp: 0, a Phi-3 without a window
     if getattr(config, "attn_logit_softcapping", None):
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     if getattr(config, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
 
 
-def rope_theta(config: PretrainedConfig) -> float:
-    """The global layers' rope theta (Gemma 3 keeps one per layer type)."""
+def rope_parameters(config: PretrainedConfig) -> dict:
+    """Those of the global layers (Gemma 3 keeps them per layer type)."""
     parameters = config.rope_parameters
-    return parameters.get("full_attention", parameters)["rope_theta"]
+    return parameters.get("full_attention", parameters)
+
+
+def llama3_rope_freqs(model: torch.nn.Module) -> np.ndarray:
+    """What Llama 3's rope scaling divides each frequency by."""
+    scaled = model.model.rotary_emb.inv_freq
+    dims = 2 * scaled.numel()
+    theta = rope_parameters(model.config)["rope_theta"]
+    unscaled = 1.0 / theta ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)
+    return (unscaled / scaled.double()).float().numpy()
 
 
 def as_stored(config: PretrainedConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:

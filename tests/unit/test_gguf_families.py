@@ -18,7 +18,7 @@ from forgeline.model.hf import load_hf_weights
 from forgeline.model.llama import Transformer
 from forgeline.tasks.pretrained import CACHE_ENV, Base, resolve_base
 from tests.gguf_files import CONFIGS, tiny_model, write_gguf
-from tests.unit.test_families import tokens
+from tests.unit.test_families import COMMON
 
 pytest.importorskip("gguf")
 
@@ -46,14 +46,17 @@ def loaded(base: Base) -> Transformer:
     return model.eval()
 
 
-@pytest.mark.parametrize("model_type", CONFIGS)
-def test_a_gguf_base_of_each_family_starts_with_the_original_models_logits(model_type: str, tmp_path: Path,
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_gguf_base_of_each_family_starts_with_the_original_models_logits(name: str, tmp_path: Path,
                                                                             cache: Path) -> None:
-    original = tiny_model(model_type)
-    base = resolve(write_gguf(original, tmp_path / f"{model_type}.gguf"))
+    original = tiny_model(name)
+    base = resolve(write_gguf(original, tmp_path / f"{name}.gguf"))
+    model_type = original.config.model_type
     assert base.shape.family == FAMILY_READ_BACK.get(model_type, model_type)
     assert (base.tokenizer / "tokenizer.json").is_file()
-    x = tokens()
+    # Rows as long as the model's context: Llama 3's rope scaling changes only the low frequencies.
+    x = torch.randint(3, COMMON["vocab_size"], (2, COMMON["max_position_embeddings"]),
+                      generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (loaded(base)(x) - original(x).logits).abs().max().item() <= 1e-5
 
@@ -73,5 +76,24 @@ def test_a_gguf_file_transformers_cannot_read_is_refused_naming_its_model_type(t
     gguf_file = write_gguf(tiny_model("mistral"), tmp_path / "mistral.gguf", name="mistral")
     with pytest.raises(ConfigError, match=r"init_from=.*mistral.gguf: transformers cannot read this "
                                           r"GGUF file of model_type 'mistral'"):
+        resolve(gguf_file)
+    assert not any(cache.glob("bases/*"))
+
+
+@pytest.mark.parametrize(("name", "rope", "refusal"), [
+    ("llama", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "original_max_position_embeddings": 32},
+     r"rope scaling 'yarn' \(model_type 'llama'\) is not read back by transformers"),
+    ("llama", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 2.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+     r"rope_freqs \(model_type 'llama'\) are not Llama 3's"),
+    ("phi3", {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 32,
+              "long_factor": [1.0 + i for i in range(8)], "short_factor": [1.0] * 8},
+     r"longrope scaling \(rope_factors_long.weight, rope_factors_short.weight; model_type 'phi3'\)"),
+], ids=["yarn", "other-rope-freqs", "longrope"])
+def test_a_gguf_file_whose_rope_scaling_transformers_drops_is_refused_naming_it(
+        name: str, rope: dict, refusal: str, tmp_path: Path, cache: Path) -> None:
+    """Read without it, the model would compute other logits than the file's."""
+    gguf_file = write_gguf(tiny_model(name, rope_parameters=rope), tmp_path / "scaled.gguf")
+    with pytest.raises(ConfigError, match=rf"init_from=.*scaled.gguf: the GGUF file's {refusal}"):
         resolve(gguf_file)
     assert not any(cache.glob("bases/*"))
