@@ -18,7 +18,7 @@ out of memory) has its task recomputed by Dask on another; a task that fails for
 A cluster at an address runs its own installed forgeline and libraries: the build refuses it
 before any work when a worker's differ from this process's (`check_workers_code`, raising
 `WorkersRunOtherCode`). Every cluster's workers mask URL credentials in their log records, as
-this process does (on_workers.py).
+this process does, and keep the sources they import for the next check (on_workers.py).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class DaskExecutor:
         # inherited by the training ranks launched next, they slowed training by a third.
         self.environ = dict(os.environ)
         address = self.address or local_cluster(self.num_workers).scheduler_address
-        mask_credentials_in_worker_logs(address)
+        set_up_workers(address)
         self.api_url = None
         if FlowRunContext.get() or TaskRunContext.get():
             from prefect_dask import DaskTaskRunner
@@ -226,15 +226,16 @@ def short(digest: str | None) -> str:
     return "missing" if digest is None else digest[:12]
 
 
-def mask_credentials_in_worker_logs(address: str) -> None:
+def set_up_workers(address: str) -> None:
     """Have every worker of the cluster, those that join later included, mask URL credentials in
-    its log records, as this process does: the partition work logs what the stage passes it."""
+    its log records, as this process does (the partition work logs what the stage passes it), and
+    keep the sources of the forgeline modules it imports, for the next `check_workers_code`."""
     from distributed import Client
 
-    from forgeline.tasks.data.on_workers import MaskCredentialsInLogs
+    from forgeline.tasks.data.on_workers import ForgelineWorker
 
     with Client(address, set_as_default=False, timeout=60) as client:
-        client.register_plugin(MaskCredentialsInLogs())
+        client.register_plugin(ForgelineWorker())
 
 
 def restore_environ(saved: dict[str, str]) -> None:

@@ -1,6 +1,6 @@
 """What the data stage runs on a Dask cluster's workers before its partition work: a look at the
-code they would run (`code_here`, which executor.py compares with this process's) and the masking
-of URL credentials in their log records (`MaskCredentialsInLogs`).
+code they would run (`code_here`, which executor.py compares with this process's) and their setup
+(`ForgelineWorker`: URL credentials masked in their log records, imported sources kept).
 
 Pickled by value (registered with cloudpickle below): a worker runs these as this process has
 them, whatever forgeline it has installed, if any. `code_here` imports nothing there beyond the
@@ -70,18 +70,22 @@ def found_spec(name: str, search: list[str] | None) -> importlib.machinery.Modul
     return None
 
 
-class MaskCredentialsInLogs(WorkerPlugin):
-    """Masks URL credentials (configs/redaction.py) in every log record a worker makes, through
-    whichever handler emits it: the worker's own, and Prefect's, which it sets up only when its
-    first task run arrives."""
+class ForgelineWorker(WorkerPlugin):
+    """Sets a worker up as forgeline's own processes are: URL credentials (configs/redaction.py)
+    masked in every log record it makes, whichever handler emits it -- the worker's own, and
+    Prefect's, which it sets up only when its first task run arrives -- and the source of each
+    forgeline module kept as it imports it (tasks/code_inputs.py): a later `code_here` on a
+    long-lived worker sees the code it runs, not its files edited or reinstalled since."""
 
-    name = "forgeline-mask-credentials"
+    name = "forgeline"
 
     def setup(self, worker: object) -> None:
         from forgeline.configs.redaction import install_log_scrubber, scrub_every_record
+        from forgeline.tasks.code_inputs import record_imported_sources
 
         install_log_scrubber()
         scrub_every_record()
+        record_imported_sources()
 
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

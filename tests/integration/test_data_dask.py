@@ -5,9 +5,11 @@ costs nothing but time."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -25,9 +27,9 @@ from forgeline.model.fileio import sha256_file
 from forgeline.tasks.data import executor as data_executor
 from forgeline.tasks.data import snapshot
 from forgeline.tasks.data.build import build_dataset, partition_members
-from forgeline.tasks.data.executor import WorkersRunOtherCode
+from forgeline.tasks.data.executor import WorkersRunOtherCode, check_workers_code
 from forgeline.tasks.data.snapshot import snapshot_members, take_snapshot
-from tests.conftest import debug_config, output_overrides
+from tests.conftest import REPO_ROOT, debug_config, output_overrides
 from tests.integration.helpers import VENV_BIN, free_port, run, serving, user_env
 from tests.unit.test_code_inputs import package_copy, touch
 
@@ -114,6 +116,8 @@ def test_a_secret_a_worker_logs_reaches_its_log_masked(capfd: pytest.CaptureFixt
     try:
         with data_executor.DaskExecutor(None, 1) as executor:
             [worker_pid] = executor.map("log", log_secret, [0])
+            # Its workers run this checkout: a check of their code passes.
+            check_workers_code(data_executor.local_cluster(1).scheduler_address, "forgeline.tasks.data.work")
     finally:
         data_executor.close_local_clusters()
     assert worker_pid != os.getpid()  # the records were made in the worker's process
@@ -235,6 +239,14 @@ def test_a_cluster_whose_workers_run_other_code_is_refused_before_any_work(tmp_p
         assert re.search(rf"run other code than this process, .*: {differs}\. Install", str(refused.value))
         assert "clean_partition" not in scheduler_prefixes(cluster.address)  # refused before any work
         assert not any((tmp_path / "out").rglob("*")), "nothing written"
+
+        # A worker that imported the edited module runs it after its file is put back.
+        data_executor.set_up_workers(cluster.address)
+        with Client(cluster.address, timeout=60) as client:
+            client.run(importlib.import_module, "forgeline.tasks.data.clean")
+        shutil.copy2(REPO_ROOT / "tasks" / "data" / "clean.py", other / "tasks" / "data" / "clean.py")
+        with pytest.raises(WorkersRunOtherCode, match=differs):
+            check_workers_code(cluster.address, "forgeline.tasks.data.work")
 
 
 def kill_a_worker_executing(address: str, prefix: str, stage: subprocess.Popen, deadline: float) -> int:
