@@ -238,9 +238,14 @@ def tokenizer_of_checkpoint(uri: str, manifest: dict) -> Path:
     return directory
 
 
+GGUF_CONVERSION = "v2"
+"""In the cache key of a converted GGUF file: v2 sets the fields transformers drops from the file
+(model/hf.py gguf_config), which a directory converted before lacks."""
+
+
 def gguf_base(gguf_file: Path) -> Path:
     """The Hugging Face directory converted from `gguf_file`, converted on first use."""
-    directory = cache_dir() / f"gguf-{unchanged_file_sha256(gguf_file)[:16]}"
+    directory = cache_dir() / f"gguf-{GGUF_CONVERSION}-{unchanged_file_sha256(gguf_file)[:16]}"
     if not (directory / "config.json").is_file():
         convert_gguf(gguf_file, directory)
     return directory

@@ -16,7 +16,7 @@ from forgeline.configs import Config
 from forgeline.configs.schema import ConfigError
 from forgeline.model.hf import load_hf_weights
 from forgeline.model.llama import Transformer
-from forgeline.tasks.pretrained import CACHE_ENV, Base, resolve_base
+from forgeline.tasks.pretrained import CACHE_ENV, Base, resolve_base, unchanged_file_sha256
 from tests.gguf_files import CONFIGS, tiny_model, write_gguf
 from tests.unit.test_families import COMMON
 
@@ -97,3 +97,16 @@ def test_a_gguf_file_whose_rope_scaling_transformers_drops_is_refused_naming_it(
     with pytest.raises(ConfigError, match=rf"init_from=.*scaled.gguf: the GGUF file's {refusal}"):
         resolve(gguf_file)
     assert not any(cache.glob("bases/*"))
+
+
+def test_a_gguf_file_converted_before_its_dropped_fields_were_set_is_converted_again(tmp_path: Path,
+                                                                                      cache: Path) -> None:
+    """The cache of a base converted before (keyed by the file's sha256 alone) lacks Gemma 2's
+    soft-capping: it is not reused."""
+    original = tiny_model("gemma2")
+    gguf_file = write_gguf(original, tmp_path / "gemma2.gguf")
+    stale = cache / "bases" / f"gguf-{unchanged_file_sha256(gguf_file)[:16]}"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")
+    base = resolve(gguf_file)
+    assert base.weights != stale and base.shape.final_logit_softcap == 3.0
