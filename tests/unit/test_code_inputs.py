@@ -6,6 +6,7 @@ key. The changes are made in a copy of the package, run in a process of its own.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import shutil
 import subprocess
@@ -213,3 +214,26 @@ def test_the_eval_suite_keys_the_lm_eval_task_files_it_includes_by_content() -> 
     assert {"lm_eval/tasks/arc/arc_easy.yaml", "lm_eval/tasks/arc/arc_challenge.yaml",
             "lm_eval/tasks/hellaswag/utils.py"} <= set(files)
     assert stage_named("data").installed_files() == {}
+
+
+def test_a_dask_workers_look_at_its_code_imports_none_of_it() -> None:
+    """What the data stage asks each worker of a cluster (tasks/data/on_workers.py `code_here`):
+    the hash of every module its partition functions import and the libraries' versions, found
+    as an import would find them but importing none (a worker's memory is for the partitions)."""
+    from forgeline.tasks.code_inputs import imported_source, module_file, reached
+
+    modules = sorted(reached(("forgeline.tasks.data.work",)).modules)
+    script = ("import json, sys\nfrom forgeline.tasks.data.on_workers import code_here\n"
+              "before = set(sys.modules)\n"
+              f"hashes, versions = code_here({modules!r}, ['numpy', 'no-such-distribution'], "
+              "'forgeline.tasks.code_inputs')\n"
+              "print(json.dumps([hashes, versions, sorted(set(sys.modules) - before)]))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          check=True, cwd=REPO_ROOT)
+    hashes, versions, imported = json.loads(done.stdout.splitlines()[-1])
+    here = {name: hashlib.sha256(imported_source(module_file(name))).hexdigest() for name in modules}
+    assert hashes == here
+    assert versions == {"numpy": metadata.version("numpy"), "no-such-distribution": None}
+    assert "forgeline.configs.schema" in modules  # whose package imports pydantic
+    heavy = {"forgeline"} | reached(("forgeline.tasks.data.work",)).third_party  # numpy, pydantic...
+    assert [name for name in imported if name.split(".")[0] in heavy] == []
