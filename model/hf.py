@@ -344,6 +344,8 @@ def gguf_config(gguf_file: Path) -> PretrainedConfig:
     for key, name in GGUF_FIELDS_TRANSFORMERS_DROPS.items():
         if key in fields and hasattr(config, name):
             setattr(config, name, fields[key] or None)  # llama.cpp writes a Phi-3 without a window as 0
+    if config.model_type in GEMMA_27B_DEPTH:
+        config.query_pre_attn_scalar = gemma_query_pre_attn_scalar(config)
     tensors = {tensor.name: tensor.data for tensor in reader.tensors if not tensor.name.startswith("blk.")}
     if any(name in tensors for name in ROPE_FACTOR_TENSORS):
         raise ValueError(f"the GGUF file's longrope scaling ({', '.join(ROPE_FACTOR_TENSORS)}; model_type "
@@ -357,6 +359,20 @@ def gguf_config(gguf_file: Path) -> PretrainedConfig:
         parameters = config.rope_parameters
         parameters.get("full_attention", parameters).update(scaling)
     return config
+
+
+GEMMA_27B_DEPTH = {"gemma2": 46, "gemma3_text": 62}
+"""The depth by which llama.cpp knows a Gemma 27B: it scales that model's queries by
+1 / sqrt(hidden / heads) (query_pre_attn_scalar 144 for Gemma 2, 168 for Gemma 3), every other
+Gemma 2 and 3 by 1 / sqrt(head_dim) (256). A GGUF file carries neither; transformers' default
+is 256 for all."""
+
+
+def gemma_query_pre_attn_scalar(config: PretrainedConfig) -> int:
+    """The query_pre_attn_scalar llama.cpp computes a Gemma 2 or 3 with (GEMMA_27B_DEPTH)."""
+    if config.num_hidden_layers == GEMMA_27B_DEPTH[config.model_type]:
+        return config.hidden_size // config.num_attention_heads
+    return config.head_dim
 
 
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

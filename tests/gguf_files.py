@@ -38,13 +38,18 @@ CONFIGS = {
     "qwen3": dict(head_dim=24, tie_word_embeddings=False),
     "phi3": dict(sliding_window=WINDOW),
     "phi3-untied-full": dict(model_type="phi3", sliding_window=None, tie_word_embeddings=False),
-    "gemma2": dict(head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0,
+    # Gemma 2 2B/9B scale queries by head_dim, the 27B (46 layers) by hidden / heads: neither is in
+    # a GGUF file, both as llama.cpp computes them.
+    "gemma2": dict(head_dim=24, query_pre_attn_scalar=24, sliding_window=WINDOW, attn_logit_softcapping=5.0,
                    final_logit_softcapping=3.0),
+    "gemma2-27b-depth": dict(model_type="gemma2", head_dim=24, query_pre_attn_scalar=16, num_hidden_layers=46,
+                             sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
     # Gemma 3 4B's global rope scaling; a GGUF file carries no rope theta of the sliding layers, nor
     # which layers slide (transformers and llama.cpp: five in six, so the sixth is the first global).
-    "gemma3_text": dict(head_dim=24, sliding_window=WINDOW, num_hidden_layers=6, rope_parameters={
-        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    "gemma3_text": dict(head_dim=24, query_pre_attn_scalar=24, sliding_window=WINDOW, num_hidden_layers=6,
+                        rope_parameters={
+                            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
 }
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
                  "gemma2": "gemma2", "gemma3_text": "gemma3"}
