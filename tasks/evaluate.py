@@ -103,6 +103,9 @@ class EvalResult:
     chat: dict[str, bool] = field(default_factory=dict)
     """Per dimension: whether its generative tasks were asked through the chat template (its
     `chat` setting resolved against the run's tokenizer)."""
+    detectable_dimensions: dict[str, float] = field(default_factory=dict)
+    """Per dimension: the change of its score these items detect, by the same rule
+    (detectable_by_dimension)."""
 
     def _change(self, change: float, key: str) -> str:
         interval = f" ± {Z95 * self.change_stderrs[key]:.3f}" if key in self.change_stderrs else ""
@@ -132,8 +135,12 @@ class EvalResult:
     def _detectable(self) -> str:
         if self.detectable is None:
             return ""
-        return (f"\n\nSmallest overall change these items detect against another model (80 % power at "
-                f"the gate's Holm-corrected 5 %): {self.detectable:.3f}")
+        lines = (f"\n\nSmallest overall change these items detect against another model (80 % power at "
+                 f"the gate's Holm-corrected 5 %): {self.detectable:.3f}")
+        if self.detectable_dimensions:
+            lines += "\n\nSmallest detectable change of each dimension, by the same rule: " + ", ".join(
+                f"{name} {change:.3f}" for name, change in self.detectable_dimensions.items())
+        return lines
 
 
 def plan_tasks(ecfg: EvalConfig) -> dict[str, tuple[list[TaskScore], DimensionConfig]]:
@@ -424,6 +431,16 @@ def detectable_overall(report: dict) -> float | None:
     return None if stderr is None else detectable_difference(math.sqrt(2) * stderr, tests)
 
 
+def detectable_by_dimension(report: dict) -> dict[str, float]:
+    """Each dimension's minimum detectable difference, as detectable_overall's (the same tests
+    corrected together, the same upper bound); none for a dimension without a standard error.
+    For one task of n items scored 0 or 1 at a rate p, about 3.58 * sqrt(2 p (1 - p) / n) with
+    the seven dimensions: 0.1 needs n >= 1279 * 2 p (1 - p), all of IFEval's 541 prompts at p <= 0.3."""
+    tests = len(report["dimensions"]) + 1
+    return {name: detectable_difference(math.sqrt(2) * entry["stderr"], tests)
+            for name, entry in report["dimensions"].items() if entry["stderr"] is not None}
+
+
 def result_of(report: dict, raw: dict[str, float], out_dir: Path, checkpoint: Path) -> EvalResult:
     dimensions = {name: entry["score"] for name, entry in report["dimensions"].items()}
     metrics = raw | {f"dimension/{name}": score for name, score in dimensions.items()}
@@ -432,9 +449,13 @@ def result_of(report: dict, raw: dict[str, float], out_dir: Path, checkpoint: Pa
     if detectable is not None:
         report["overall_detectable"] = detectable
         metrics["detectable/overall"] = detectable
+    by_dimension = detectable_by_dimension(report)
+    for name, change in by_dimension.items():
+        report["dimensions"][name]["detectable"] = change
+        metrics[f"detectable/dimension/{name}"] = change
     return EvalResult(out_dir=str(out_dir), checkpoint=str(checkpoint), overall=report["overall"],
                       dimensions=dimensions, metrics=metrics, stderrs=stderrs_of(report),
-                      detectable=detectable)
+                      detectable=detectable, detectable_dimensions=by_dimension)
 
 
 def score_model(model_args: dict[str, str | int], batch_size: int, plan: Plan,

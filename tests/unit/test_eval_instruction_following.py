@@ -250,3 +250,19 @@ def test_ifeval_items_pair_through_items_json_like_any_task(ifeval_run: tuple[li
     expected = 1 / LIMIT if scored.items["forgeline_ifeval"].values[0] else -1 / LIMIT
     assert change["difference"] == pytest.approx(expected)
     assert versus["shared_items"] == {"forgeline_ifeval": LIMIT}
+
+
+def test_ifeval_generates_with_lm_evals_own_settings(task_manager: TaskManager) -> None:
+    """until, do_sample, temperature and max_gen_toks (1,280) as lm-eval's ifeval.yaml sets them:
+    before, a 512-token budget cut the replies of the prompts that ask for 350 words or more."""
+    import lm_eval
+    import yaml
+
+    class Untagged(yaml.SafeLoader):  # its `!function` hooks are not needed here
+        pass
+
+    Untagged.add_multi_constructor("!", lambda loader, suffix, node: None)
+    theirs = yaml.load((Path(lm_eval.__file__).parent / "tasks" / "ifeval" / "ifeval.yaml").read_text(),
+                       Untagged)
+    ours = task_manager.load(["forgeline_ifeval"])["tasks"]["forgeline_ifeval"].config.generation_kwargs
+    assert ours == theirs["generation_kwargs"] and ours["max_gen_toks"] == 1280
