@@ -315,7 +315,8 @@ def test_forgeline_run_reruns_the_stages_that_import_a_changed_helper(reproduced
     """`forgeline run`, no DVC, in a copy of the repository DVC ran: a byte appended to
     model/inference.py -- which eval/lm.py imports, and no stage record names -- reruns eval, and
     train and register, which import it too; not data. Register finds the version it registered
-    for the same checkpoint and scores; afterwards nothing is left to run."""
+    for the same checkpoint and scores; afterwards nothing is left to run, for forgeline nor for
+    DVC: forgeline recorded the stages it ran and skipped in dvc.lock, as `dvc commit` does."""
     repo = copy_of(reproduced, tmp_path)
     known: set[str] = set()
     forgeline_runs(repo, known)
@@ -326,3 +327,5 @@ def test_forgeline_run_reruns_the_stages_that_import_a_changed_helper(reproduced
     assert forgeline_runs(repo, known) == ["train", "eval", "register"]
     assert [version.version for version in client.search_model_versions()] == versions
     assert changed_per_forgeline(repo) == []
+    assert status(repo) == {}
+    assert others(stages_run(dvc(repo, "repro", "--dry").stdout)) == []
