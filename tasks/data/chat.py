@@ -288,44 +288,72 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, template: str, messages:
     for i in turns:
         end = ends[assistants.index(i)]
         prompt = _render_text(tokenizer, template, messages[:i], add_generation_prompt=True)
-        if text.startswith(prompt) and len(prompt) <= end:
+        if text.startswith(prompt) and len(prompt) <= (len(prompt) if end is None else end):
             start = len(prompt)
+        elif end is None:
+            raise ChatTemplateError(f"assistant turn {i} only calls tools, and the chat template writes the "
+                                    "turns before it otherwise than its generation prompt: its start cannot be told")
         else:
             if starts is None:
                 starts = _marked(tokenizer, template, messages, text,
                                  lambda lead, core, trail, mark: lead + mark + core + trail)
             start = starts[assistants.index(i)]
+        end = start if end is None else end
         close = text.find(token, end)
         if close < 0 or any(other in text[end:close] for other in specials):
             raise ChatTemplateError(f"the chat template does not close assistant turn {i} with its "
                                     f"end-of-turn token {token!r}, so the turn's end cannot be told")
+        _check_tool_calls(messages[i], i, text[start:close])
         spans.append((start, close + len(token)))
     return text, spans
 
 
+def _check_tool_calls(message: Message, i: int, written: str) -> None:
+    """A template that ignores `tool_calls` writes a tool-calling turn as its text alone, often
+    empty: trained, the model would learn to answer nothing where it should call a tool."""
+    for call in message.get("tool_calls") or []:
+        name = call.get("function", call).get("name", "")
+        if not name or name not in written:
+            raise ChatTemplateError(f"the chat template writes no call of tool {name!r} in assistant turn {i} "
+                                    "(it ignores `tool_calls`), so the turn would train a reply without it; use a "
+                                    "template that renders tool calls (ChatML with tools, Qwen, Llama 3.1+)")
+
+
 def _marked(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[Message], text: str,
-            mark_content: Callable[[str, str, str, str], str]) -> list[int]:
+            mark_content: Callable[[str, str, str, str], str]) -> list[int | None]:
     """Where in `text` a mark placed in each assistant turn's content (`mark_content(leading
     whitespace, stripped content, trailing whitespace, mark)`) lands, in turn order: the
     conversation is rendered once with the marks, which must be the text itself once they are
-    removed (a template that rewrites a reply otherwise cannot be followed)."""
-    contents = "".join(message["content"] for message in messages)
+    removed (a template that rewrites a reply otherwise cannot be followed). None for a turn that
+    only calls tools: no text to mark (a mark would be content, which some templates write
+    otherwise than none)."""
+    contents = "".join(_content(message) for message in messages)
     mark = next(chr(code) for code in range(0xE000, 0xF900) if chr(code) not in contents)  # private use
-    marked = []
+    marked, unmarked = [], []  # unmarked: the assistant turns that only call tools, by their order
     for message in messages:
-        if message["role"] == "assistant":
+        if message["role"] == "assistant" and not _content(message).strip():
+            unmarked.append(sum(m["role"] == "assistant" for m in marked))
+        elif message["role"] == "assistant":
             content = message["content"]
             core = content.strip()
             lead = content[:len(content) - len(content.lstrip())]
             message = {**message, "content": mark_content(lead, core, content[len(lead) + len(core):], mark)}
         marked.append(message)
     out = _render_text(tokenizer, template, marked)
-    places = [n - k for k, n in enumerate(n for n, char in enumerate(out) if char == mark)]
-    if out.replace(mark, "") != text or len(places) != sum(m["role"] == "assistant" for m in messages):
+    places: list[int | None] = [n - k for k, n in enumerate(n for n, char in enumerate(out) if char == mark)]
+    if (out.replace(mark, "") != text
+            or len(places) + len(unmarked) != sum(m["role"] == "assistant" for m in messages)):
         raise ChatTemplateError("the chat template rewrites an assistant turn's text (or leaves one out), so "
                                 "its trained tokens cannot be located; use a template that writes each reply "
                                 "as it is, or one with {% generation %} markers")
+    for position in unmarked:  # a turn with no text to mark: its span starts at its generation prompt
+        places.insert(position, None)
     return places
+
+
+def _content(message: Message) -> str:
+    """A message's text; "" for an assistant turn that only calls tools (content None or absent)."""
+    return message.get("content") or ""
 
 
 @functools.lru_cache(maxsize=8)
@@ -353,7 +381,7 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str, messages: list[Messag
     specials = special_tokens(tokenizer)
     pieces, cursor, done = [], 0, 0  # pieces: (start, end, tokenized as text), in order
     for message in messages:
-        content = message["content"]
+        content = _content(message)
         start = text.find(content, cursor) if content else -1
         forged = any(token in content for token in specials)
         if forged and start < 0:
@@ -387,7 +415,7 @@ def _render_text(tokenizer: PreTrainedTokenizerBase, chat_template: str, message
 
 
 def _check_turn(messages: list[Message], i: int) -> None:
-    if not messages[i]["content"].strip():
+    if not _content(messages[i]).strip() and not messages[i].get("tool_calls"):
         raise ChatTemplateError(f"assistant turn {i} is empty: there is nothing to learn from it; drop the "
                                 "conversation or its empty turns")
     if i == 0:

@@ -463,3 +463,45 @@ def test_the_family_comparison_sees_one_token_trained_amiss(family_cases) -> Non
     assert ours.ids.tolist() == list(out["input_ids"])
     replies = sum(message["role"] == "assistant" for message in messages)
     assert int((ours.mask != np.array(out["assistant_masks"])).sum()) == replies
+
+
+def tool_calling(chat: list[dict], n: int) -> list[dict]:
+    """`chat` with an exchange that calls a tool before its first reply: the assistant's call
+    (with a word before it in every other conversation), the tool's result, then the reply."""
+    first, *rest = chat
+    call = {"type": "function", "function": {"name": "search", "arguments": {"query": first["content"][:40]}}}
+    calling = {"role": "assistant", "content": "Let me look." if n % 2 else "", "tool_calls": [call]}
+    result = {"role": "tool", "content": f"search results for {first['content'][:40]!r}: none"}
+    return [first, calling, result, *rest]
+
+
+def test_tool_calls_train_as_transformers_marks_them_and_tool_results_never(family_cases) -> None:
+    """Qwen3's template writes an assistant's tool_calls (<tool_call>{...}</tool_call>) in its
+    turn: trained, through <|im_end|>, as transformers' generation markers mark them; the tool's
+    result, a turn of its own, is not. (Before, such conversations were dropped.)"""
+    tokenizer, reference_template, conversations = family_cases["Qwen3"]
+    mismatches = tokens = calls = 0
+    for n, chat in enumerate(conversations[:60]):
+        messages = tool_calling([m for m in chat if m["role"] != "tool"], n)
+        ours = render(tokenizer, messages)
+        out = tokenizer.apply_chat_template(messages, chat_template=reference_template, tokenize=True,
+                                            return_dict=True, return_assistant_tokens_mask=True)
+        assert ours.ids.tolist() == list(out["input_ids"])
+        mismatches += int((ours.mask != np.array(out["assistant_masks"])).sum())
+        tokens += len(ours.ids)
+        trained = tokenizer.decode(ours.ids[ours.mask == 1])
+        assert '<tool_call>\n{"name": "search"' in trained and "search results for" not in trained
+        calls += 1
+    log.info("Qwen3 with tool calls: %d conversations, %d tokens: %d mask mismatches", calls, tokens, mismatches)
+    assert mismatches == 0
+
+
+def test_a_template_that_ignores_tool_calls_is_refused_not_trained_as_an_empty_reply(tokenizer) -> None:
+    """SmolLM2's template writes only a message's content: a turn that calls a tool would train
+    `<|im_end|>` alone (or its words without the call)."""
+    [messages] = [tool_calling(chat[:4], 0) for chat in shipped_conversations(1)]
+    with pytest.raises(ChatTemplateError, match=r"writes no call of tool 'search' .*ignores `tool_calls`"):
+        render(tokenizer, messages)
+    messages[1]["content"] = "Let me look."
+    with pytest.raises(ChatTemplateError, match="ignores `tool_calls`"):
+        render(tokenizer, messages)
