@@ -504,7 +504,7 @@ def score_lm(lm: lm_eval.api.model.LM, plan: Plan, task_manager: TaskManager) ->
     scored = ModelScores(raw={}, items={})
     with provenance_probed_once():
         for done, (name, (scores, dcfg)) in enumerate(plan.items()):
-            chat = as_assistant(lm, name, dcfg)
+            chat = as_assistant(lm, name, dcfg) and any(s.generative for s in scores)
             log.info("evaluating %s: %s (limit %s, %d-shot%s)", name, ", ".join(s.task for s in scores),
                      dcfg.limit, dcfg.num_fewshot, ", generating through the chat template" if chat else "",
                      extra={"progress": (done, len(plan), name)})

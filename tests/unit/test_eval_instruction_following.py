@@ -214,6 +214,16 @@ def test_a_mixed_dimension_generates_through_the_template_and_scores_choices_as_
     assert scored_contexts and not any("<|im_start|>" in context for context in scored_contexts)
     assert set(scored.items) == {"forgeline_mmlu", "forgeline_triviaqa"}
     assert {"forgeline_mmlu/acc", "forgeline_triviaqa/exact_match/remove_whitespace"} <= set(scored.raw)
+    assert scored.chat == {"knowledge": True}
+
+
+def test_a_dimension_that_generates_nothing_is_recorded_as_not_asked_through_the_template(
+        assistant: ForgelineLM, task_manager: TaskManager) -> None:
+    plan = {"language_modeling": ([task_score("forgeline_lambada")], DimensionConfig(limit=1))}
+    with contexts_scored(assistant) as scored_contexts:
+        scored = score_lm(assistant, plan, task_manager)
+    assert scored.chat == {"language_modeling": False}
+    assert scored_contexts and not any("<|im_start|>" in context for context in scored_contexts)
 
 
 @torch.no_grad()
