@@ -12,7 +12,8 @@ items for another aggregation), and named as the eval stage names it on the pipe
 asks it (eval/suite.py `evaluate_tasks`): with its dimension's few-shot count (the trainer passes
 eval.dimensions' as --dimension-shots) and the same seeds, and a generative task through the
 tokenizer's chat template where it has one (a dimension's default `chat` setting); only the
-number of items (`--limit`) is the in-training evaluation's own. At the same limit, its scores at the last step are the eval stage's.
+number of items (`--limit`) is the in-training evaluation's own. At the same limit, its scores
+at the last step are the eval stage's.
 """
 
 from __future__ import annotations

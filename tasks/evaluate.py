@@ -17,9 +17,10 @@ metrics.json and MLflow, `base` and `versus_base` in report.json, the base's bar
 run's in the chart. The base is scored as the run is (Scoring): with the run's data tokenizer
 and in windows of the run's context, so that identical weights score identically; where that
 tokenizer has a chat template (an sft run's), both are asked the generative tasks' prompts
-through it, as each dimension's `chat` setting says (as_assistant). A base's scores are cached under $FORGELINE_CACHE/evals by its weights' sha256, the
-scoring (the tokenizer's files, its chat template among them, the window) and the suite's
-fingerprint (eval/suite.py), so the runs continued from one base evaluate it once.
+through it, as each dimension's `chat` setting says (as_assistant). A base's scores are cached
+under $FORGELINE_CACHE/evals by its weights' sha256, the scoring (the tokenizer's files, its
+chat template among them, the window), the plan (each dimension's `chat` among it) and the
+suite's fingerprint (eval/suite.py), so the runs continued from one base evaluate it once.
 
 Output (`eval.out_dir`): `report.json` (scores per dimension and task, with intervals),
 `metrics.json` (flat, standard errors under `stderr/`; the DVC metrics file),
@@ -156,8 +157,9 @@ def plan_tasks(ecfg: EvalConfig) -> dict[str, tuple[list[TaskScore], DimensionCo
                              f"available: {sorted(registered)}")
         scores = [registered[task] for task in wanted]
         if dcfg.chat and not any(s.generative for s in scores):
-            raise ValueError(f"eval.dimensions.{name}.chat=true, but {', '.join(wanted)} score log-likelihoods, "
-                             "not generated replies: nothing goes through the chat template; unset it")
+            raise ValueError(f"eval.dimensions.{name}.chat=true, but {', '.join(wanted)} score "
+                             "log-likelihoods, not generated replies: nothing goes through the chat "
+                             "template; unset it")
         if ecfg.task_source == "hub":
             scores = [replace(s, task=s.hub_task) if s.hub_task else s for s in scores]
         plan[name] = (scores, dcfg)

@@ -292,7 +292,8 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, template: str, messages:
             start = len(prompt)
         elif end is None:
             raise ChatTemplateError(f"assistant turn {i} only calls tools, and the chat template writes the "
-                                    "turns before it otherwise than its generation prompt: its start cannot be told")
+                                    "turns before it otherwise than its generation prompt: its start "
+                                    "cannot be told")
         else:
             if starts is None:
                 starts = _marked(tokenizer, template, messages, text,
@@ -314,9 +315,10 @@ def _check_tool_calls(message: Message, i: int, written: str) -> None:
     for call in message.get("tool_calls") or []:
         name = call.get("function", call).get("name", "")
         if not name or name not in written:
-            raise ChatTemplateError(f"the chat template writes no call of tool {name!r} in assistant turn {i} "
-                                    "(it ignores `tool_calls`), so the turn would train a reply without it; use a "
-                                    "template that renders tool calls (ChatML with tools, Qwen, Llama 3.1+)")
+            raise ChatTemplateError(f"the chat template writes no call of tool {name!r} in assistant turn "
+                                    f"{i} (it ignores `tool_calls`), so the turn would train a reply without "
+                                    "it; use a template that renders tool calls (ChatML with tools, Qwen, "
+                                    "Llama 3.1+)")
 
 
 def _marked(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[Message], text: str,

@@ -492,7 +492,8 @@ def test_tool_calls_train_as_transformers_marks_them_and_tool_results_never(fami
         trained = tokenizer.decode(ours.ids[ours.mask == 1])
         assert '<tool_call>\n{"name": "search"' in trained and "search results for" not in trained
         calls += 1
-    log.info("Qwen3 with tool calls: %d conversations, %d tokens: %d mask mismatches", calls, tokens, mismatches)
+    log.info("Qwen3 with tool calls: %d conversations, %d tokens: %d mask mismatches", calls, tokens,
+             mismatches)
     assert mismatches == 0
 
 

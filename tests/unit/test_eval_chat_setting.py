@@ -22,7 +22,8 @@ def test_chat_true_without_a_fine_tuned_tokenizer_is_refused_at_config_time_nami
 
 def test_chat_true_on_a_dimension_that_generates_nothing_is_refused_before_any_model_loads() -> None:
     cfg = load_config("configs/smollm2-sft.yaml")
-    with pytest.raises(ValueError, match=r"eval\.dimensions\.reasoning\.chat=true, but .* score log-likelihoods"):
+    refused = r"eval\.dimensions\.reasoning\.chat=true, but .* score log-likelihoods"
+    with pytest.raises(ValueError, match=refused):
         plan_tasks(cfg.with_values({"eval.dimensions": {"reasoning": {"chat": True}}}).eval)
     plan = plan_tasks(cfg.with_values({"eval.dimensions": {"math": {"chat": True}}}).eval)
     assert plan["math"][1].chat is True
@@ -31,7 +32,8 @@ def test_chat_true_on_a_dimension_that_generates_nothing_is_refused_before_any_m
 def test_the_setting_is_in_the_eval_stages_cache_key() -> None:
     """The stage's config key is the hash of its sections (tasks/cache.py stage_inputs)."""
     assert "eval" in stage_named("eval").sections
-    default, plain = (Config().with_values({"eval.dimensions": {"math": {"chat": chat}}}) for chat in (None, False))
+    default, plain = (Config().with_values({"eval.dimensions": {"math": {"chat": chat}}})
+                      for chat in (None, False))
     assert default.section_hash("eval") != plain.section_hash("eval")
     assert plain.flat()["eval.dimensions.math.chat"] == "False"  # the eval run's MLflow param (runner)
 

@@ -27,7 +27,8 @@ def printed_changes(prompts: int, tmp_path: Path) -> dict[str, float]:
     followed = round(FOLLOWED * prompts)
     items = {"forgeline_ifeval": TaskItems(ids=[str(i) for i in range(prompts)],
                                            values=[i < followed for i in range(prompts)]),
-             "forgeline_gsm8k": TaskItems(ids=[str(i) for i in range(100)], values=[float(i < 30) for i in range(100)])}
+             "forgeline_gsm8k": TaskItems(ids=[str(i) for i in range(100)],
+                                          values=[float(i < 30) for i in range(100)])}
     raw = {"forgeline_ifeval/prompt_level_strict_acc": followed / prompts,
            "forgeline_gsm8k/exact_match/flexible-extract": 0.3}
     result = result_of(ModelScores(raw=raw, items=items).report(plan), raw, tmp_path, tmp_path)

@@ -167,7 +167,7 @@ def test_a_dimension_is_asked_through_the_template_by_default_where_the_model_ha
     save_random_bundle(tmp_path / "bundle", vocab_size=320, max_seq_len=MAX_SEQ_LEN)
     base = ForgelineLM(bundle=str(tmp_path / "bundle"), tokenizer=str(tmp_path / "plain"))
     assert not as_assistant(base, "instruction_following", DimensionConfig()) and base.end_of_turn is None
-    with pytest.raises(ValueError, match=r"eval\.dimensions\.math\.chat=true, but the model's tokenizer has no "):
+    with pytest.raises(ValueError, match=r"eval\.dimensions\.math\.chat=true, but the model's tokenizer"):
         as_assistant(base, "math", DimensionConfig(chat=True))
 
 
