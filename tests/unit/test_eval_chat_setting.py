@@ -50,3 +50,17 @@ def test_evaluations_asked_otherwise_do_not_pair() -> None:
     assert as_completion.unpaired(as_assistant) == [
         "math's generative tasks were asked with chat=False, not True"]
     assert as_assistant.eval_plan()["math"][1].chat is True
+
+
+def test_the_generative_tasks_are_those_lm_eval_asks_to_generate(tmp_path) -> None:
+    """TaskScore.generative, which decides what goes through the template, agrees with each
+    rendered task's lm-eval output_type."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from forgeline.eval.dimensions import DIMENSION_TASKS
+    from forgeline.eval.suite import render_suite
+
+    suite = render_suite(tmp_path / "suite", tmp_path / "data")
+    for score in (score for scores in DIMENSION_TASKS.values() for score in scores):
+        config = load_yaml(suite / f"{score.task}.yaml", resolve_func=False, recursive=True)
+        assert score.generative == (config["output_type"] == "generate_until"), score.task
