@@ -93,6 +93,11 @@ def test_forgeline_run_fine_tunes_a_base_on_conversations_and_registers_the_assi
     eval_metrics = by_name["eval"].data.metrics
     assert "eval/dimension/instruction_following" in eval_metrics
     assert "eval/base/dimension/instruction_following" in eval_metrics  # scored beside its base
+    # IFEval asked through the sft tokenizer's template by default (eval.dimensions.*.chat unset)
+    eval_params = by_name["eval"].data.params
+    assert eval_params["eval.dimensions.instruction_following.chat"] == "None"
+    assert eval_params["chat.instruction_following"] == "True"
+    assert eval_params["chat.language_modeling"] == "False"  # no generative task: nothing to ask
 
     # Registered: the merged model, and the adapter as peft reads it.
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
