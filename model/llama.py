@@ -14,10 +14,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from forgeline.configs.schema import ModelConfig, RopeScaling
 from forgeline.model.init import InitFn, canonical_name, init_param_
@@ -342,6 +345,14 @@ class FeedForward(nn.Module):
         return self.w2(gate * self.w3(x))
 
 
+def add_rows_to_grad(weight: nn.Parameter, tokens: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add the gradient of the embedding rows of `tokens` to `weight.grad` in place (what the
+    embedding's backward computes, without a (V, C) matrix of its own)."""
+    if weight.grad is None:  # the output projection's gradient may come after (then added to this)
+        weight.grad = torch.zeros_like(weight)
+    weight.grad.index_add_(0, tokens.flatten(), grad.flatten(0, 1).to(weight.grad.dtype))
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, shape: ModelConfig, layer: int):
         super().__init__()
@@ -437,7 +448,7 @@ class Transformer(nn.Module):
         a query may attend to a key, or the DocumentSpans of contiguous documents."""
         h = tokens
         if self.tok_embeddings is not None:
-            h = self.tok_embeddings(tokens)  # (B, T, C)
+            h = self.embed(tokens)  # (B, T, C)
             if self.shape.embedding_scale:
                 h = h * torch.tensor(self.shape.dim**0.5, dtype=h.dtype)
         T = h.size(1)
@@ -456,6 +467,21 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.end(T)
         return self.norm(h) if self.norm is not None else h
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) tokens -> (B, T, C) rows of the embedding. Tied to the output projection, in
+        training, on a plain matrix (not sharded: no FSDP, no DTensor), the rows' gradient is added
+        straight into the matrix's gradient, which the output projection's backward has made: the
+        embedding's own backward would fill a zero (V, C) matrix for it and autograd add the two,
+        three passes over the largest matrix of a small model. Same sums, one fewer (V, C) buffer."""
+        weight = self.tok_embeddings.weight
+        if not (torch.is_grad_enabled() and weight.requires_grad and self.output is not None
+                and self.output.weight is weight and not isinstance(weight, DTensor)
+                and not isinstance(self, FSDPModule)):
+            return self.tok_embeddings(tokens)
+        rows = F.embedding(tokens, weight.detach()).requires_grad_()
+        rows.register_hook(partial(add_rows_to_grad, weight, tokens))
+        return rows
 
     def windowed_masks(self, mask: torch.Tensor, positions: torch.Tensor | None) -> dict[int, torch.Tensor]:
         """`mask` (B, 1, T, T) narrowed to each sliding window of the model: a query sees the keys

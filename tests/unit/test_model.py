@@ -1,6 +1,7 @@
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from forgeline.configs.schema import ModelConfig
 from forgeline.model.inference import PackedLinear, generate_batch, pack_linears
@@ -132,3 +133,34 @@ def test_sampling_is_reproducible_with_a_generator() -> None:
     model = build().eval()
     draw = lambda: generate(model, [1, 2], 8, temperature=1.0, generator=torch.Generator().manual_seed(3))  # noqa: E731
     assert draw() == draw()
+
+
+def test_a_tied_embedding_gets_both_gradients_without_a_matrix_of_its_own() -> None:
+    """The embedding rows' gradient goes straight into the shared matrix's gradient: the same
+    gradient as the untied model's two summed, and no (V, C) embedding backward."""
+    tied = build(args=ARGS.model_copy(update={"tie_embeddings": True}))
+    untied = build(args=ARGS.model_copy(update={"tie_embeddings": False}))
+    untied.load_state_dict(tied.state_dict(), strict=False)
+    untied.output.weight.data.copy_(tied.output.weight)
+    tokens = torch.randint(0, 97, (3, 16))
+    with OpLog() as ops:
+        tied(tokens).square().mean().backward()
+    untied(tokens).square().mean().backward()
+    assert torch.ops.aten.embedding_dense_backward.default not in ops.called
+    expected = untied.tok_embeddings.weight.grad + untied.output.weight.grad
+    torch.testing.assert_close(tied.tok_embeddings.weight.grad, expected, rtol=1e-5, atol=1e-7)
+    for (name, param), reference in zip(tied.named_parameters(), untied.parameters(), strict=False):
+        if name != "tok_embeddings.weight":
+            torch.testing.assert_close(param.grad, reference.grad, rtol=1e-5, atol=1e-7)
+
+
+class OpLog(TorchDispatchMode):
+    """The aten ops that run inside the block."""
+
+    def __enter__(self) -> "OpLog":
+        self.called: set = set()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.called.add(func)
+        return func(*args, **(kwargs or {}))
