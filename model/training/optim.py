@@ -94,3 +94,9 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
         for params in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What clipping to `max_norm` multiplies every gradient by: torch's clip_grads_with_norm_'s
+    factor (1 when the norm is within)."""
+    return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)

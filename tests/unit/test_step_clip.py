@@ -1,0 +1,60 @@
+"""Gradient clipping folded into the fused AdamW step: the same update as clipping first."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from forgeline.configs.schema import ModelConfig
+from forgeline.model.llama import Transformer
+from forgeline.model.training.step import TrainStep
+
+SHAPE = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=32)
+
+
+@pytest.fixture
+def process_group(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class OpNames(TorchDispatchMode):
+    """The names of the aten ops that run inside the block."""
+
+    def __enter__(self) -> "OpNames":
+        self.called: set[str] = set()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.called.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+
+
+def test_a_clipped_step_divides_in_the_fused_adamw_as_clipping_first_would(process_group: None) -> None:
+    model = Transformer(SHAPE)
+    model.init_weights(0)
+    reference = Transformer(SHAPE)
+    reference.load_state_dict(model.state_dict())
+    batch = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+    step = TrainStep(parts=[model], optimizers=[adamw(model)], schedulers=[], grad_accum_steps=1,
+                     grad_clip=0.01, device=torch.device("cpu"), dp_group=dist.group.WORLD)
+    with OpNames() as ops:
+        result = step(batch)
+    assert "aten::_foreach_mul_" not in ops.called  # no pass of its own over the gradients
+
+    optimizer = adamw(reference)
+    loss = torch.nn.functional.cross_entropy(reference(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
+    optimizer.step()
+    assert norm > 0.01 and result.grad_norm == pytest.approx(norm.item(), rel=1e-6)
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
