@@ -1,4 +1,5 @@
-"""Gradient clipping folded into the fused AdamW step: the same update as clipping first."""
+"""Passes the train step saves over its largest tensors, each the same math as before: clipping
+folded into the fused AdamW step, the cross-entropy's gradient made in place."""
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from forgeline.configs.schema import ModelConfig
 from forgeline.model.llama import Transformer
-from forgeline.model.training.step import TrainStep
+from forgeline.model.training.step import IGNORED, TrainStep, cross_entropy
 
 SHAPE = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=32)
 
@@ -58,3 +59,29 @@ def test_a_clipped_step_divides_in_the_fused_adamw_as_clipping_first_would(proce
     assert norm > 0.01 and result.grad_norm == pytest.approx(norm.item(), rel=1e-6)
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_cross_entropy_and_its_gradient_are_torch_s_without_nll_and_log_softmax_backward(reduction: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 8, 50, generator=generator) * 4
+    targets = torch.randint(0, 50, (2, 8), generator=generator)
+    targets[0, :3] = IGNORED
+    ours, theirs = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    with OpNames() as ops:
+        loss = cross_entropy(ours, targets, reduction)
+        (loss * 3).backward()
+    assert not {"aten::nll_loss_backward", "aten::_log_softmax_backward_data"} & ops.called
+    expected = torch.nn.functional.cross_entropy(theirs.flatten(0, 1), targets.flatten(), ignore_index=IGNORED,
+                                                 reduction=reduction)
+    (expected * 3).backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-6, atol=1e-8)
+
+
+def test_a_cross_entropy_of_no_counted_target_is_torch_s_too() -> None:
+    logits = torch.randn(1, 4, 10, requires_grad=True)
+    targets = torch.full((1, 4), IGNORED)
+    cross_entropy(logits, targets, "sum").backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+    assert cross_entropy(logits, targets).isnan()  # as torch's mean over nothing
