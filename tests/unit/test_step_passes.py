@@ -62,7 +62,7 @@ def test_a_clipped_step_divides_in_the_fused_adamw_as_clipping_first_would(proce
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_the_cross_entropy_and_its_gradient_are_torch_s_without_nll_and_log_softmax_backward(reduction: str) -> None:
+def test_cross_entropy_and_gradient_are_torch_s_without_nll_or_log_softmax_backward(reduction: str) -> None:
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 8, 50, generator=generator) * 4
     targets = torch.randint(0, 50, (2, 8), generator=generator)
@@ -72,8 +72,8 @@ def test_the_cross_entropy_and_its_gradient_are_torch_s_without_nll_and_log_soft
         loss = cross_entropy(ours, targets, reduction)
         (loss * 3).backward()
     assert not {"aten::nll_loss_backward", "aten::_log_softmax_backward_data"} & ops.called
-    expected = torch.nn.functional.cross_entropy(theirs.flatten(0, 1), targets.flatten(), ignore_index=IGNORED,
-                                                 reduction=reduction)
+    expected = torch.nn.functional.cross_entropy(theirs.flatten(0, 1), targets.flatten(),
+                                                 ignore_index=IGNORED, reduction=reduction)
     (expected * 3).backward()
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
     torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-6, atol=1e-8)
