@@ -70,12 +70,9 @@ class TokenCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, total: bool) -> torch.Tensor:  # noqa: ANN001
         log_probs = torch.log_softmax(logits, dim=-1)  # (N, V)
         counted = targets != IGNORED
-        known = targets.masked_fill(~counted, 0)[:, None]  # (N, 1)
-        token_losses = log_probs.gather(1, known).squeeze(1).neg_().mul_(counted)
-        count = counted.sum()
         ctx.total, ctx.used = total, False
-        ctx.save_for_backward(log_probs, known, counted, count)
-        return token_losses.sum() if total else token_losses.sum() / count
+        ctx.save_for_backward(log_probs, targets.masked_fill(~counted, 0)[:, None], counted, counted.sum())
+        return F.nll_loss(log_probs, targets, ignore_index=IGNORED, reduction="sum" if total else "mean")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
