@@ -461,14 +461,15 @@ def unusable_input_errors() -> tuple[type[BaseException], ...]:
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)  # read once: the flow takes it as it is
+    cfg = load_config(args.config, args.overrides)  # checked before a flow run starts
     from forgeline.tasks.runner import preflight
 
     stages = pipeline_stages(cfg)
     preflight(cfg, stages)
     from forgeline.flows.pipeline import pipeline_flow
 
-    result = run_flow(pipeline_flow, dict(config=cfg, force=args.force), stages, cfg)
+    parameters = dict(config=args.config, overrides=args.overrides, force=args.force)  # as typed
+    result = run_flow(pipeline_flow, parameters, stages, cfg)
     print(f"MLflow run: {result.run_id}")
     from forgeline.tasks.tracking import run_link, runs_link  # imported already: the flow ran here
 
@@ -495,7 +496,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
 
 def rerun_stage(args: argparse.Namespace) -> int:
     stage = stage_named(args.name)
-    cfg = load_config(args.config, args.overrides)  # read once: the flow takes it as it is
+    cfg = load_config(args.config, args.overrides)  # checked before a flow run starts
     from forgeline.tasks.dvc_yaml import check_dvc_outputs
 
     check_dvc_outputs(cfg, str(args.config))  # under `dvc repro`: dvc.yaml names these directories
@@ -511,7 +512,9 @@ def rerun_stage(args: argparse.Namespace) -> int:
     from forgeline.flows.stage_flows import STAGE_FLOWS
 
     options = {"from_snapshot": True} if args.from_snapshot else {}
-    parameters = dict(config=cfg, upstream_run=args.upstream_run, force=args.force, **options)
+    # What the user typed (the flow applies the upstream run's outputs again, as a deployment's does).
+    parameters = dict(config=args.config, overrides=args.overrides, upstream_run=args.upstream_run,
+                      force=args.force, **options)
     result = run_flow(STAGE_FLOWS[stage.name], parameters, (stage,), cfg)
     print(f"{stage.name}: {result}")
     return 0
@@ -534,9 +537,7 @@ def run_flow(flow: Callable, parameters: dict[str, object], stages: tuple[Stage,
             logging.getLogger(__name__).info("%s", line)
     started = time.time()
     try:
-        # The parameters hold the config this command resolved and checked (a Config), where a
-        # deployment's run form takes a path or a shipped name (the flows' `config: str`).
-        return flow.with_options(validate_parameters=False)(**parameters)
+        return flow(**parameters)
     except Exception as err:
         record = orchestrator.unreported_record(started)
         if record is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
 
 import httpx
 from prefect import Flow
@@ -24,16 +23,12 @@ from forgeline.tasks.tracking import config_label, git_info, layout_label, run_l
 log = logging.getLogger(__name__)
 
 
-def flow_config(config: Config | dict[str, Any] | str | None, overrides: list[str] | None) -> Config:
-    """A flow's `config` parameter as a Config: a path or shipped name read with `overrides`
-    (deployments, the default), or a config resolved by the caller (the CLI, which has read and
-    checked it before starting Prefect; Prefect stores it as a dict)."""
+def flow_config(config: str | None, overrides: list[str] | None) -> Config:
+    """A flow's `config` parameter, a path or a shipped name, read with `overrides`: what the user
+    typed, as Prefect shows it (the CLI's flow runs too: the config they resolve to is each MLflow
+    run's `config.yaml`)."""
     forgeline_logs_to_prefect()
     install_log_scrubber()  # Prefect's handlers exist now; our code logs nothing in this run before it
-    if isinstance(config, Config | dict):
-        if overrides:
-            raise ConfigError("overrides go with a config path; apply them to a resolved config before")
-        return Config.model_validate(config)
     return load_config(config, overrides or [])
 
 

@@ -45,8 +45,8 @@ class PipelineResult:
 def pipeline_flow(config: str | None = None, overrides: list[str] | None = None,
                   force: bool = False) -> PipelineResult:
     """Corpus to a registered, evaluated model: every stage of the config's pipeline under one
-    MLflow parent run. The CLI passes the config it resolved and checked, a Config, with
-    Prefect's parameter validation off (flows/cli.py run_flow).
+    MLflow parent run. The CLI passes the path and overrides as typed, once it has read and
+    checked them (flows/cli.py run_pipeline).
 
     Args:
         config: a run config: a YAML path, relative to the deployment's working directory, or the

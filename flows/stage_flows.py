@@ -110,23 +110,20 @@ def configured_task(stage: Stage, cfg: Config) -> Task:
                               retry_condition_fn=worth_retrying)
 
 
-def run_one_stage(stage: Stage, config: Config | str | None, overrides: list[str] | None,
+def run_one_stage(stage: Stage, config: str | None, overrides: list[str] | None,
                   upstream_run: str | None, force: bool, from_snapshot: bool = False) -> Any:
-    """A config path (with `overrides` and `upstream_run` applied here), or a `Config` its caller
-    resolved already (the CLI, which starts the flow without Prefect's parameter validation: then
-    `upstream_run` only labels the run)."""
+    """A config path, with `overrides` and `upstream_run` applied here."""
     with credentials_masked_in_errors():
         return _run_one_stage(stage, config, overrides, upstream_run, force, from_snapshot)
 
 
-def _run_one_stage(stage: Stage, config: Config | str | None, overrides: list[str] | None,
+def _run_one_stage(stage: Stage, config: str | None, overrides: list[str] | None,
                    upstream_run: str | None, force: bool, from_snapshot: bool) -> Any:
     apply_environment_defaults()
     cfg = flow_config(config, overrides)
     tags = prefect_tags()
     if upstream_run:
-        if not isinstance(config, Config):
-            cfg = cfg.with_values(upstream_outputs(cfg, stage, upstream_run))
+        cfg = cfg.with_values(upstream_outputs(cfg, stage, upstream_run))
         tags[UPSTREAM_RUN_TAG] = upstream_run
     # `stage train ...` holds the nested `train ...` run, as `pipeline ...` holds all four.
     name = run_name(f"stage {stage.name}", cfg, reads_layout(stage))

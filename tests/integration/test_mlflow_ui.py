@@ -21,7 +21,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from forgeline.tasks.tracking import EXPERIMENT_KIND_TAG, TRAINING_KIND
 from tests.conftest import REPO_ROOT
-from tests.integration.helpers import VENV_BIN, free_port, run, serving, user_env
+from tests.integration.helpers import VENV_BIN, free_port, prefect_flow_runs, run, serving, user_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.slow]
 
@@ -93,6 +93,11 @@ def test_two_pipeline_runs_open_in_the_compare_view(tmp_path: Path, mlflow_serve
     # gate compares on the same items), and the scores move.
     second = run([*forgeline, "--set", "train.seed=1"], tmp_path)
     run_ids = [re.search(r"MLflow run: (\w+)", done.stdout).group(1) for done in (first, second)]
+    # Prefect shows each flow run's parameters as typed (its config as a path or shipped name):
+    # the config they resolve to is each MLflow run's config.yaml.
+    parameters = sorted((flow_run["parameters"]["config"], flow_run["parameters"]["overrides"])
+                        for flow_run in prefect_flow_runs(tmp_path))
+    assert parameters == [("debug.yaml", [forgeline[-1]]), ("debug.yaml", [forgeline[-1], "train.seed=1"])]
     client = MlflowClient(mlflow_server)
     runs = [client.get_run(run_id) for run_id in run_ids]
     names = [r.info.run_name for r in runs]

@@ -145,8 +145,9 @@ def test_credentials_from_the_environment_reach_no_flow_run(api: str, tmp_path: 
     assert done.returncode == 0, done.stderr[-6000:]
     assert (tmp_path / "out" / "data" / "manifest.json").is_file()
     everything = stored(api)
-    [flow_run] = [run for run in everything["flow_runs"] if isinstance(run["parameters"].get("config"), dict)
-                  and run["parameters"]["config"]["checkpoint"]["persistent_url"] == "s3://bucket/checkpoints"]
+    stored_s3 = "checkpoint.persistent_url=s3://bucket/checkpoints"
+    [flow_run] = [run for run in everything["flow_runs"]
+                  if stored_s3 in (run["parameters"].get("overrides") or [])]
     assert flow_run["state"]["type"] == "COMPLETED"
     assert all(everything[kind] for kind in ("task_runs", "logs", "events"))  # were read (no artifacts here)
     assert secret not in done.stdout + done.stderr
@@ -170,8 +171,9 @@ def test_a_tracking_uri_with_a_token_from_the_environment_is_masked_in_logs_and_
     assert secret not in done.stdout + done.stderr
 
     everything = stored(api)
-    [flow_run] = [run for run in everything["flow_runs"] if isinstance(run["parameters"].get("config"), dict)
-                  and run["parameters"]["config"]["data"]["out_dir"] == str(tmp_path / "out" / "data")]
+    out_dir = f"data.out_dir={tmp_path / 'out' / 'data'}"
+    [flow_run] = [run for run in everything["flow_runs"]
+                  if out_dir in (run["parameters"].get("overrides") or [])]
     assert flow_run["state"]["type"] == "COMPLETED"
     assert masked in run_logs(api, flow_run["id"])
     assert secret not in json.dumps(everything)
@@ -274,8 +276,9 @@ def test_a_failure_whose_error_names_a_url_with_a_token_is_masked_in_prefect_and
     assert secret not in done.stdout + done.stderr
 
     everything = stored(api)
-    [flow_run] = [run for run in everything["flow_runs"] if isinstance(run["parameters"].get("config"), dict)
-                  and run["parameters"]["config"]["data"]["out_dir"] == str(tmp_path / "out" / "data")]
+    out_dir = f"data.out_dir={tmp_path / 'out' / 'data'}"
+    [flow_run] = [run for run in everything["flow_runs"]
+                  if out_dir in (run["parameters"].get("overrides") or [])]
     assert flow_run["state"]["type"] == "FAILED"
     assert "?token=***" in flow_run["state"]["message"], flow_run["state"]["message"]
     assert secret not in json.dumps(everything)
