@@ -39,7 +39,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 from forgeline.configs import Config
 from forgeline.configs.redaction import REDACTED, scrub
 from forgeline.configs.schema import run_fingerprint
-from forgeline.model.spool import TrackingSpool, discard_sent, replay, spooled_metric
+from forgeline.model.spool import TrackingSpool, discard_sent, replay, spool_files, spooled_metric
 from forgeline.tasks.stage import PACKAGE_ROOT
 
 log = logging.getLogger(__name__)
@@ -240,7 +240,8 @@ def close_tracker(cfg: Config, tracker: RunTracker, finished: bool) -> None:
     with _SPOOLS_LOCK:
         _SPOOLS.pop(tracker.run_id, None)
     if tracker.spool.close(cfg.ops.tracking_flush_s) == 0:
-        replay(tracker.spool.dir.parent, tracker.run_id, discard=False)
+        replay(tracker.spool.dir.parent, tracker.run_id, discard=False,
+               tracking_uri=resolve_tracking_uri(cfg))
     if finished or not spooled_metric(tracker.spool.dir.parent, tracker.run_id, LOSS_CURVE_METRIC):
         discard_sent(tracker.spool.dir)
 
@@ -248,7 +249,9 @@ def close_tracker(cfg: Config, tracker: RunTracker, finished: bool) -> None:
 def sync_tracking(cfg: Config) -> tuple[list[str], int]:
     """`forgeline sync`'s part for the tracking store: send what runs left in the spool
     (ops.tracking_spool) while it did not answer. Lines to print, and the writes still unsent."""
-    sent, left = replay(cfg.ops.tracking_spool)
+    # The store is resolved only when there is something to send: resolving a sqlite store makes it.
+    uri = resolve_tracking_uri(cfg) if any(spool_files(cfg.ops.tracking_spool)) else None
+    sent, left = replay(cfg.ops.tracking_spool, tracking_uri=uri)
     lines = [f"tracking: sent {sent} spooled write(s) from {cfg.ops.tracking_spool}"]
     if left:
         lines.append(f"tracking: {left} write(s) still unsent: the tracking store does not answer yet")
@@ -414,8 +417,6 @@ def tracked_run(cfg: Config, name: str, parent_run_id: str | None = None,
                 config = Path(scratch) / "config.yaml"
                 config.write_text(yaml.safe_dump(redact("", cfg.model_dump(mode="json")), sort_keys=False))
                 tracker.log_artifact(config)
-            if Path(DVC_LOCK).is_file():
-                tracker.log_artifact(DVC_LOCK)
         attempt = 1
     else:
         tracker = tracker_for(cfg, run.info.run_id, client)
@@ -470,21 +471,13 @@ class SystemMetrics:
         self._thread.join()
 
 
-DVC_LOCK = "dvc.lock"
-
-
 def run_context_tags(cfg: Config) -> dict[str, str]:
-    """The parallel layout and, when the run starts in a DVC repository, the output hashes its
-    dvc.lock records (`dvc.lock.<stage>` -> md5 of each out)."""
+    """The parallel layout. (Not dvc.lock's hashes: read as the run starts, they would be the
+    previous run's; each stage tags its own outputs' DVC hash as it ends, when forgeline also
+    records it in dvc.lock -- tasks/cache.py run_cached.)"""
     par = cfg.parallel
-    tags = {"forgeline.layout": f"pp{par.pp} x dp_replicate{par.dp_replicate} x dp_shard{par.dp_shard} "
+    return {"forgeline.layout": f"pp{par.pp} x dp_replicate{par.dp_replicate} x dp_shard{par.dp_shard} "
                                 f"x tp{par.tp} = {par.world_size} ranks on {par.nnodes} node(s)"}
-    if Path(DVC_LOCK).is_file():
-        lock = yaml.safe_load(Path(DVC_LOCK).read_text()) or {}
-        for stage, entry in lock.get("stages", {}).items():
-            for out in entry.get("outs", []):
-                tags[f"dvc.lock.{stage}.{out['path']}"] = out.get("md5", "")
-    return tags
 
 
 def _continued_run(client: MlflowClient, experiment: str, run_id: str, name: str, parent_run_id: str | None,
