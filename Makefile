@@ -80,9 +80,11 @@ test: install
 test-slow: install
 	$(BIN)/python -m pytest -q -m "slow and not ui" -n 2 --dist loadfile --durations=25
 
-# Prefect's UI in headless Chromium: a stage's flow run page and a deployment's run form, checked
-# for their text and saved as artifacts/screenshots/prefect-*.png for a person to look at. Not in
-# CI (its time goes to the suites above); MLflow's UI is checked there (tests/integration/test_mlflow_ui.py).
+# Both UIs in headless Chromium: Prefect's flow run page and a deployment's run form; MLflow's runs
+# table, an eval-run comparison, a resumed training's single loss curve and the versions list --
+# checked for their text and saved as artifacts/screenshots/{prefect,mlflow}-*.png for a person to
+# look at. Not in CI (~10 min; its time goes to the suites above, where test_mlflow_ui checks the
+# compare view).
 ui-check: install browser
 	$(BIN)/python -m pytest -q -m ui
 
