@@ -5,8 +5,9 @@ Per document, in order: binary check, UTF-8 validation (drop or repair), normali
 boilerplate lines removed, optional PII scrubbing, length bounds, a repetition filter; then the
 exact-dedup key and a MinHash signature. A conversation (`clean_conversation`) is checked for
 what makes it unusable -- invalid UTF-8, a role none of system, user, assistant and tool
-(`unknown_role`), tool calls (not rendered yet), no content, an empty turn, no assistant turn or
-one that opens it, no user turn -- its whitespace kept, an empty system turn left out,
+(`unknown_role`), no content, an empty turn (an assistant turn with tool calls may have no text),
+no assistant turn or one that opens it, no user turn -- its whitespace kept, an empty system turn
+left out, an assistant's tool calls kept (chat.py renders them, or refuses a template that drops them),
 optionally scrubbed of PII,
 and keyed on its roles and words; the line filters (boilerplate, repetition) and min_chars are
 for documents, not for the short turns of a chat. Across documents: exact dedup by the normalized text's
@@ -96,15 +97,14 @@ def clean_conversation(data: bytes | None, cfg: CleaningConfig, with_signature: 
     turns = json.loads(text)
     if any(m["role"] not in ROLES for m in turns):
         return Cleaned("unknown_role")  # rendered, it would be a role the model never sees in use
-    if any(m.get("tool_calls") for m in turns):
-        return Cleaned("tool_calls")  # the calls are not rendered yet: the turn would train as empty
     # Whitespace inside a turn is kept (a code answer's indentation); an empty system turn says
-    # nothing and is left out, not its conversation. A message's `train` (chat.py) goes with it.
-    messages = [{key: m[key] for key in ("role", "content", "train") if key in m} for m in turns
+    # nothing and is left out, not its conversation. A message's `train` (chat.py) and an
+    # assistant's tool calls go with it.
+    messages = [{key: m[key] for key in ("role", "content", "tool_calls", "train") if key in m} for m in turns
                 if m["role"] != "system" or m["content"].strip()]
-    if not any(m["content"].strip() for m in messages):
+    if not any(said(m) for m in messages):
         return Cleaned("empty")
-    if not all(m["content"].strip() for m in messages):
+    if not all(said(m) for m in messages):
         return Cleaned("empty_turn")
     if all(m["role"] != "assistant" for m in messages):
         return Cleaned("no_assistant_turn")
@@ -120,8 +120,14 @@ def clean_conversation(data: bytes | None, cfg: CleaningConfig, with_signature: 
     if sum(len(m["content"]) for m in messages) > cfg.max_chars:
         return Cleaned("too_long")
     text = conversation_text(messages)
-    words = WORD.findall("\n".join(f"{m['role']}\n{m['content']}" for m in messages).lower())
+    words = WORD.findall("\n".join(f"{m['role']}\n{m['content']}\n{json.dumps(m.get('tool_calls', ''))}"
+                                   for m in messages).lower())
     return kept_text(text, words, cfg, with_signature, repaired=repaired, pii_replaced=pii)
+
+
+def said(message: dict) -> bool:
+    """Whether a turn says something: text, or (an assistant's) tool calls."""
+    return bool(message["content"].strip() or message.get("tool_calls"))
 
 
 def decode(data: bytes, cfg: CleaningConfig) -> tuple[str, bool] | None:

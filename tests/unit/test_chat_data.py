@@ -241,7 +241,9 @@ def test_a_source_extends_the_role_table_and_an_unknown_role_drops_its_conversat
     assert cleaned.removed_by == "unknown_role"
 
 
-def test_an_assistant_turn_with_tool_calls_is_read_and_dropped_with_its_reason(tmp_path: Path) -> None:
+def test_an_assistant_turn_with_tool_calls_and_no_text_is_kept_with_its_calls(tmp_path: Path) -> None:
+    """Its calls are what it says (chat.py renders them through the template, or refuses a
+    template that writes none); a turn with neither text nor calls is empty."""
     call = {"id": "1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
     record = {"messages": [{"role": "user", "content": "Weather?"},
                            {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -249,7 +251,15 @@ def test_an_assistant_turn_with_tool_calls_is_read_and_dropped_with_its_reason(t
     [chat] = read_conversations(tmp_path, [record])
     assert chat[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
     cleaned = clean_conversation(json.dumps(chat).encode(), CleaningConfig(), with_signature=False)
-    assert cleaned.removed_by == "tool_calls"
+    assert cleaned.removed_by is None
+    assert conversation_of(cleaned.text) == chat
+    other_call = [{**call, "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]
+    calling_oslo = [chat[0], {**chat[1], "tool_calls": other_call}, *chat[2:]]
+    other = clean_conversation(json.dumps(calling_oslo).encode(), CleaningConfig(), with_signature=False)
+    assert other.dedup_key != cleaned.dedup_key  # another call is another conversation
+    silent = [chat[0], {"role": "assistant", "content": ""}, *chat[2:]]
+    assert clean_conversation(json.dumps(silent).encode(), CleaningConfig(),
+                              with_signature=False).removed_by == "empty_turn"
 
 
 def test_a_messages_train_setting_survives_cleaning(tmp_path: Path) -> None:
