@@ -121,6 +121,16 @@ def is_generative(task: str) -> bool:
         return False
 
 
+def through_template(name: str, chat: bool | None, has_template: bool) -> bool:
+    """Whether dimension `name`'s generative tasks are asked through the model's chat template:
+    as its `chat` setting (eval.dimensions.<name>.chat) says, by default when the model's
+    tokenizer has one. A model without one asked to use it is refused, naming the setting."""
+    if chat and not has_template:
+        raise ValueError(f"eval.dimensions.{name}.chat=true, but the model's tokenizer has no chat template "
+                         "to ask it through: leave it unset or false")
+    return has_template if chat is None else chat
+
+
 def fewshot_counts(tasks: list[str], dimension_shots: dict[str, int]) -> dict[str, int]:
     """The few-shot count the eval stage asks each of `tasks` with: its dimension's (0 for a
     dimension `dimension_shots` does not name, or a task of none)."""

@@ -3,7 +3,7 @@ that step -- the in-training evaluation, run as its own process by the trainer (
 ranks never wait for it:
 
     python -m forgeline.eval.periodic --checkpoint DIR --data-dir DIR --tasks T [T ...]
-        --dimension-shots D=K [D=K ...] --limit N --run-id ID --step S
+        --dimension-shots D=K [D=K ...] --dimension-chat D=true|false [...] --limit N --run-id ID --step S
 
 Every score comes with its standard error, computed from each item's value as the eval stage
 computes it (eval/scores.py `item_stderr`: closed form for a mean, a seeded bootstrap over the
@@ -11,9 +11,9 @@ items for another aggregation), and named as the eval stage names it on the pipe
 `eval/<task>/<metric>` beside `eval/stderr/<task>/<metric>`. A task is asked as the eval stage
 asks it (eval/suite.py `evaluate_tasks`): with its dimension's few-shot count (the trainer passes
 eval.dimensions' as --dimension-shots) and the same seeds, and a generative task through the
-tokenizer's chat template where it has one (a dimension's default `chat` setting); only the
-number of items (`--limit`) is the in-training evaluation's own. At the same limit, its scores
-at the last step are the eval stage's.
+tokenizer's chat template as its dimension's `chat` setting says (--dimension-chat; unset:
+where the tokenizer has one); only the number of items (`--limit`) is the in-training
+evaluation's own. At the same limit, its scores at the last step are the eval stage's.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ log = logging.getLogger("forgeline.eval.periodic")
 
 
 def evaluate_checkpoint(checkpoint: Path, data_dir: Path, tasks: list[str], num_fewshot: dict[str, int],
-                        limit: int | None, batch_size: int) -> dict[str, float]:
+                        chat: dict[str, bool], limit: int | None, batch_size: int) -> dict[str, float]:
     """`score_tasks` on `checkpoint`."""
     # Imported here, after main() applied the environment defaults lm-eval and datasets read.
     from forgeline.eval.lm import ForgelineLM
@@ -49,17 +49,18 @@ def evaluate_checkpoint(checkpoint: Path, data_dir: Path, tasks: list[str], num_
         task_manager = suite_task_manager(render_suite(Path(scratch), data_dir))
         lm = ForgelineLM(checkpoint=str(checkpoint), tokenizer=str(data_dir / "tokenizer"),
                          batch_size=batch_size)
-        return score_tasks(lm, tasks, num_fewshot, limit, task_manager)
+        return score_tasks(lm, tasks, num_fewshot, limit, task_manager, chat)
 
 
 def score_tasks(lm: LM, tasks: list[str], num_fewshot: dict[str, int], limit: int | None,
-                task_manager: TaskManager) -> dict[str, float]:
-    """`task/metric` -> value for `tasks` on `lm` (each with its `num_fewshot`, 0 if absent),
-    named as the eval stage names them, and `stderr/task/metric` -> its standard error (of every
-    metric of a task that logged two items or more)."""
+                task_manager: TaskManager, chat: dict[str, bool] | None = None) -> dict[str, float]:
+    """`task/metric` -> value for `tasks` on `lm` (each with its `num_fewshot`, 0 if absent; a
+    generative one through the chat template as its dimension's setting in `chat` says, unset
+    where the tokenizer has one), named as the eval stage names them, and `stderr/task/metric` ->
+    its standard error (of every metric of a task that logged two items or more)."""
     from lm_eval.tasks import get_task_dict
 
-    from forgeline.eval.dimensions import is_generative
+    from forgeline.eval.dimensions import dimension_of, is_generative, through_template
     from forgeline.eval.scores import flatten_scores, item_stderrs
     from forgeline.eval.suite import evaluate_tasks
 
@@ -69,11 +70,13 @@ def score_tasks(lm: LM, tasks: list[str], num_fewshot: dict[str, int], limit: in
 
     task_dict = get_task_dict(tasks, task_manager)
     aggregations = {task.config.task: task.aggregation() for task in leaves(task_dict)}
-    assistant = bool(lm.chat_template(True))
+    has_template, settings = bool(lm.chat_template(True)), chat or {}
     results: dict[str, dict] = {"results": {}, "samples": {}}
 
     def asked(task: str) -> tuple[int, bool]:  # its shots, and whether through the chat template
-        return num_fewshot.get(task, 0), assistant and is_generative(task)
+        dimension = dimension_of(task) or ""
+        return num_fewshot.get(task, 0), is_generative(task) and through_template(
+            dimension, settings.get(dimension), has_template)
 
     for shots, chat in sorted({asked(task) for task in tasks}):
         group = [task for task in tasks if asked(task) == (shots, chat)]
@@ -93,6 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", required=True, nargs="+")
     parser.add_argument("--dimension-shots", nargs="*", default=[], metavar="DIMENSION=K",
                         help="few-shot examples per prompt of a dimension's tasks (others: 0)")
+    parser.add_argument("--dimension-chat", nargs="*", default=[], metavar="DIMENSION=true|false",
+                        help="a dimension's generative tasks through the chat template or not "
+                             "(others: where the tokenizer has one)")
     parser.add_argument("--limit", type=int)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--run-id", required=True)
@@ -107,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
 
     shots = {name: int(count) for name, _, count in (pair.partition("=") for pair in args.dimension_shots)}
     num_fewshot = fewshot_counts(args.tasks, shots)
-    scores = evaluate_checkpoint(args.checkpoint, args.data_dir, args.tasks, num_fewshot, args.limit,
+    chat = {name: value == "true" for name, _, value in (pair.partition("=") for pair in args.dimension_chat)}
+    scores = evaluate_checkpoint(args.checkpoint, args.data_dir, args.tasks, num_fewshot, chat, args.limit,
                                  args.batch_size)
     log_scores(args.run_id, args.step, scores)
     log.info("step %d: %s", args.step, describe(scores))

@@ -55,7 +55,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
 from forgeline.configs import Config
 from forgeline.configs.schema import DimensionConfig, EvalConfig
-from forgeline.eval.dimensions import DIMENSION_TASKS, TaskScore, task_score
+from forgeline.eval.dimensions import DIMENSION_TASKS, TaskScore, task_score, through_template
 from forgeline.eval.lm import ForgelineLM
 from forgeline.eval.scores import (
     Z95,
@@ -475,11 +475,7 @@ def as_assistant(lm: lm_eval.api.model.LM, name: str, dcfg: DimensionConfig) -> 
     """Whether dimension `name`'s generative tasks are asked through `lm`'s chat template: as
     its `chat` setting says, by default when the model's tokenizer has one. A model without one
     asked to use it is refused, naming the setting."""
-    has_template = bool(lm.chat_template(True))
-    if dcfg.chat and not has_template:
-        raise ValueError(f"eval.dimensions.{name}.chat=true, but the model's tokenizer has no chat template "
-                         "to ask it through: leave it unset or false")
-    return has_template if dcfg.chat is None else dcfg.chat
+    return through_template(name, dcfg.chat, bool(lm.chat_template(True)))
 
 
 def asked_groups(scores: list[TaskScore], chat: bool) -> list[tuple[list[TaskScore], bool]]:

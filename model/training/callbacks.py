@@ -287,6 +287,8 @@ class InTrainingEvalCallback(Callback):
     batch_size: int
     dimension_shots: dict[str, int]
     """The eval stage's few-shot count of each dimension that has one (eval.dimensions)."""
+    dimension_chat: dict[str, bool]
+    """The `chat` setting of each dimension that sets one (eval.dimensions)."""
     _queue: list[int] = field(default_factory=list)
     _running: subprocess.Popen | None = None
 
@@ -324,7 +326,9 @@ class InTrainingEvalCallback(Callback):
                "--data-dir", str(self.data_dir),
                "--tasks", *self.cfg.tasks, "--run-id", self.run_id, "--step", str(step),
                "--batch-size", str(self.batch_size),
-               "--dimension-shots", *(f"{name}={shots}" for name, shots in self.dimension_shots.items())]
+               "--dimension-shots", *(f"{name}={shots}" for name, shots in self.dimension_shots.items()),
+               "--dimension-chat", *(f"{name}={'true' if chat else 'false'}"
+                                     for name, chat in self.dimension_chat.items())]
         if self.cfg.limit is not None:
             cmd += ["--limit", str(self.cfg.limit)]
         # One thread: the ranks keep the cores; the evaluation is not in a hurry. A session of its

@@ -230,8 +230,10 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
     if cfg.eval.during_training.every_steps and rank == 0 and run_id:
         shots = {name: dimension.num_fewshot for name, dimension in cfg.eval.dimensions.items()
                  if dimension.num_fewshot}
+        chat = {name: dimension.chat for name, dimension in cfg.eval.dimensions.items()
+                if dimension.chat is not None}
         callbacks.append(InTrainingEvalCallback(cfg.eval.during_training, outputs.checkpoints, data_dir,
-                                                run_id, cfg.eval.batch_size, shots))
+                                                run_id, cfg.eval.batch_size, shots, chat))
     trainer = Trainer(total_steps=cfg.train.steps, state=trainer_state, train_step=train_step, device=device,
                       tokens_per_step=tokens_per_step, callbacks=callbacks)
     trainer.fit()

@@ -351,19 +351,21 @@ def rank_config_yaml(cfg: Config) -> str:
     sft = {"sft"} if cfg.sft is not None else set()  # a pretraining run's config stays as it was
     read = cfg.model_dump(include={"run", "data", "model", "parallel", "train", "checkpoint", *sft})
     read["eval"] = cfg.eval.model_dump(include={"during_training", "batch_size"})
-    if shots := in_training_shots(cfg):
-        read["eval"]["dimensions"] = shots
+    if asked := in_training_settings(cfg):
+        read["eval"]["dimensions"] = asked
     return yaml.safe_dump(read, sort_keys=False)
 
 
-def in_training_shots(cfg: Config) -> dict[str, dict[str, int]]:
-    """The few-shot counts the in-training evaluation asks its tasks with: their dimensions' in
-    the eval stage (eval.dimensions), where they have one."""
+def in_training_settings(cfg: Config) -> dict[str, dict[str, int | bool]]:
+    """How the in-training evaluation asks its tasks: their dimensions' few-shot counts and chat
+    settings in the eval stage (eval.dimensions), where they set them."""
     if not cfg.eval.during_training.every_steps:
         return {}
     asked = {dimension_of(task) for task in cfg.eval.during_training.tasks}
-    return {name: {"num_fewshot": dimension.num_fewshot} for name, dimension in cfg.eval.dimensions.items()
-            if name in asked and dimension.num_fewshot}
+    settings = {name: {**({"num_fewshot": dimension.num_fewshot} if dimension.num_fewshot else {}),
+                       **({"chat": dimension.chat} if dimension.chat is not None else {})}
+                for name, dimension in cfg.eval.dimensions.items() if name in asked}
+    return {name: values for name, values in settings.items() if values}
 
 
 def read_train_summary(cfg: Config) -> TrainResult:

@@ -156,6 +156,11 @@ def test_the_in_training_eval_asks_ifeval_as_the_eval_stage_does(
     assert sorted(seen) == sorted(stage_prompts)
     assert {name: scores[name] for name in stage.raw} == stage.raw
     assert {"forgeline_arc_easy/acc_norm", "stderr/forgeline_ifeval/prompt_level_strict_acc"} <= set(scores)
+    # A dimension set to chat: false is asked without the template there too (the trainer passes
+    # eval.dimensions' settings as --dimension-chat).
+    with prompts_given(assistant) as seen:
+        score_tasks(assistant, ["forgeline_ifeval"], {}, 2, task_manager, {"instruction_following": False})
+    assert sorted(seen) == sorted(row["prompt"] for row in ifeval_rows()[:2])
 
 
 def test_a_dimension_is_asked_through_the_template_by_default_where_the_model_has_one(

@@ -29,6 +29,11 @@ def test_the_ranks_config_holds_what_training_reads_and_nothing_else() -> None:
                                        "eval.dimensions.language_modeling.num_fewshot=1"])
     asked = yaml.safe_load(rank_config_yaml(shots))["eval"]["dimensions"]
     assert asked == {"language_modeling": {"num_fewshot": 1}}
+    # ... and through the chat template or not, as the dimension's setting says.
+    plain = load_config("debug.yaml", ["eval.during_training.every_steps=10",
+                                       "eval.dimensions.language_modeling.chat=false"])
+    asked = yaml.safe_load(rank_config_yaml(plain))["eval"]["dimensions"]
+    assert asked == {"language_modeling": {"chat": False}}
     other = load_config("debug.yaml", ["eval.during_training.every_steps=10",
                                        "eval.dimensions.math.num_fewshot=1"])
     assert rank_config_yaml(other) == rank_config_yaml(in_training)
