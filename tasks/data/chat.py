@@ -53,6 +53,10 @@ class ChatTemplateError(ValueError):
     """A conversation cannot be rendered with the chat template, or there is no template."""
 
 
+class ToolCallsNotRendered(ChatTemplateError):
+    """The chat template writes no tool call of an assistant turn that makes one."""
+
+
 @dataclass(frozen=True)
 class Rendered:
     text: str  # the whole conversation as the template writes it
@@ -315,7 +319,7 @@ def _check_tool_calls(message: Message, i: int, written: str) -> None:
     for call in message.get("tool_calls") or []:
         name = call.get("function", call).get("name", "")
         if not name or name not in written:
-            raise ChatTemplateError(f"the chat template writes no call of tool {name!r} in assistant turn "
+            raise ToolCallsNotRendered(f"the chat template writes no call of tool {name!r} in assistant turn "
                                     f"{i} (it ignores `tool_calls`), so the turn would train a reply without "
                                     "it; use a template that renders tool calls (ChatML with tools, Qwen, "
                                     "Llama 3.1+)")

@@ -44,6 +44,7 @@ from forgeline.configs.schema import CleaningConfig
 from forgeline.model.training.shards import write_shard
 from forgeline.tasks.data.chat import (
     ChatTemplateError,
+    ToolCallsNotRendered,
     conversation_of,
     load_chat_tokenizer,
     render_pieces,
@@ -399,7 +400,8 @@ def render_piece(work: PieceWork, texts_sources: list[tuple[str, int]], names: l
     turn boundaries into pieces that fit: their token ids and loss masks one after the other, and
     per conversation piece its length, source, whether it is its conversation's first and its loss
     tokens; the validation split's pieces also as text (val_docs.jsonl). A conversation the
-    template rejects is dropped (template_rejects), one of which no exchange fits in a row
+    template rejects is dropped (template_rejects; tool_calls_not_rendered where it writes no
+    tool call of a turn that makes one), one of which no exchange fits in a row
     (too_long), and one whose messages' `"train": false` leave no reply trained (no_trained_turn),
     not the stage. Returns per source index [conversations, tokens, conversations
     split, loss tokens, dropped conversations by reason, exchanges dropped, examples of drops]."""
@@ -409,6 +411,8 @@ def render_piece(work: PieceWork, texts_sources: list[tuple[str, int]], names: l
         messages = conversation_of(text)
         try:
             split = render_pieces(tokenizer, messages, work.chat.row_tokens, train_on=work.chat.train_on)
+        except ToolCallsNotRendered as err:
+            reason, why = "tool_calls_not_rendered", str(err)
         except ChatTemplateError as err:
             reason, why = "template_rejects", str(err)
         else:

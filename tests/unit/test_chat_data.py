@@ -300,6 +300,23 @@ def test_a_conversation_the_template_rejects_is_dropped_and_counted_not_the_stag
     assert entry["train_documents"] + entry["val_documents"] == 29
 
 
+def test_a_tool_call_the_template_does_not_write_is_dropped_with_its_own_reason(tmp_path: Path) -> None:
+    """SmolLM2's template writes a message's content only: the calling turn would train as an
+    empty reply."""
+    chats = shipped_chats(30)
+    call = {"id": "1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    calling = [chats[0][0], {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "content": "sunny"}, *chats[0][1:]]
+    path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in [*chats[1:], calling]])
+    source = {"kind": "files", "path": str(path), "format": "messages", "name": "chats"}
+    cfg = debug_config(tmp_path, f"data.sources={json.dumps([source])}", "sft.lora=null",
+                       f"data.tokenizer_path={smollm2_tokenizer_dir()}", f"data.seq_len={SEQ_LEN}",
+                       "data.val_fraction=0.2")
+    build_dataset(cfg)
+    entry = read_manifest(Path(cfg.data.out_dir))["sources"]["chats"]
+    assert entry["removed"] == {"tool_calls_not_rendered": 1} and entry["kept"] == 29
+
+
 def test_a_source_that_loses_too_many_conversations_fails_with_counts_and_examples(caplog) -> None:
     stats = {"chats": {"input": {"documents": 100}, "kept": 40,
                        "removed": {"unknown_role": 6, "no_assistant_turn": 50, "exact_duplicate": 4}},
