@@ -22,7 +22,7 @@ from forgeline.configs import Config
 from forgeline.flows.cli import main
 from forgeline.tasks import evaluate
 from forgeline.tasks.pretrained import CACHE_ENV
-from forgeline.tasks.promote import CHAMPION_ALIAS, DECISION_TAG, EVIDENCE_TAG_PREFIX
+from forgeline.tasks.promote import CHAMPION_ALIAS, DECISION_TAG, EVIDENCE_TAG, EVIDENCE_TAG_PREFIX
 from forgeline.tasks.register import CANDIDATE_ALIAS
 from forgeline.tasks.runner import run_stage
 from forgeline.tasks.stage import stage_named
@@ -68,6 +68,11 @@ def aliases(client: MlflowClient, name: str) -> dict[str, str]:
             for alias in (CANDIDATE_ALIAS, CHAMPION_ALIAS)}
 
 
+def evidence(tags: dict[str, str]) -> dict[str, str]:
+    """The intervals a decision rests on, which a version keeps in one JSON tag."""
+    return json.loads(tags[EVIDENCE_TAG])
+
+
 def test_champion_moves_only_when_the_gate_passes(tmp_path: Path, data_root: Path,
                                                   capsys: pytest.CaptureFixture) -> None:
     train_model(debug_config(tmp_path, f"data.out_dir={data_root / 'data'}", "train.peak_tflops=1"))
@@ -83,15 +88,15 @@ def test_champion_moves_only_when_the_gate_passes(tmp_path: Path, data_root: Pat
     tags = client.get_model_version(name, second).tags
     assert tags[DECISION_TAG].startswith(f"rejected: versus version {first}; dimension code regressed: -0.")
     assert tags[EVIDENCE_TAG_PREFIX + "versus"] == f"version {first}"
-    assert tags[EVIDENCE_TAG_PREFIX + "shared_items"] == "300"
-    assert tags[EVIDENCE_TAG_PREFIX + "dimension/math"].startswith("+0.")
+    assert evidence(tags)["shared_items"] == "300"
+    assert evidence(tags)["dimension/math"].startswith("+0.")
 
     # As good as the champion, drawn again: noise, inconclusive, with what would resolve it.
     _, third = register_with_items(tmp_path, data_root, "eval3", "c", math=0.3, code=0.3)
     tags = client.get_model_version(name, third).tags
     assert aliases(client, name)[CHAMPION_ALIAS] == first
     assert tags[DECISION_TAG].startswith(f"inconclusive: versus version {first}; overall ")
-    assert "the smallest overall difference these items detect" in tags[EVIDENCE_TAG_PREFIX + "resolution"]
+    assert "the smallest overall difference these items detect" in evidence(tags)["resolution"]
 
     # Better in both: promoted.
     _, fourth = register_with_items(tmp_path, data_root, "eval4", "d", math=0.6, code=0.6)
@@ -190,8 +195,8 @@ def test_a_better_model_is_promoted_an_identical_one_is_not_and_a_champion_is_re
     tags = client.get_model_version(name, other).tags
     assert tags[DECISION_TAG].startswith(f"inconclusive: versus version {longer}; overall "), \
         tags[DECISION_TAG]
-    assert abs(float(tags[EVIDENCE_TAG_PREFIX + "overall"].split()[0])) < 1e-4
-    assert tags[EVIDENCE_TAG_PREFIX + "shared_items"] == "30"
+    assert abs(float(evidence(tags)["overall"].split()[0])) < 1e-4
+    assert evidence(tags)["shared_items"] == "30"
     registry = ["--config", "debug.yaml", "--set", f"registry.tracking_uri={resolve_tracking_uri(cfg)}",
                 "--set", f"data.out_dir={data_root / 'data'}"]
     assert main(["promote", "--version", other, *registry]) == 1
@@ -223,10 +228,10 @@ def test_a_shorter_trained_candidate_is_rejected_naming_the_dimension_it_lost(
     assert tags[DECISION_TAG].startswith(f"rejected: versus version {champion}; dimension language_modeling "
                                          "regressed: -0."), tags[DECISION_TAG]
     assert tags[DECISION_TAG].endswith("worse with 95 % confidence, and no dimension is better"), tags
-    interval = tags[EVIDENCE_TAG_PREFIX + "overall"].split("[")[1].rstrip("]")
+    interval = evidence(tags)["overall"].split("[")[1].rstrip("]")
     low, high = (float(bound) for bound in interval.split(", "))
     assert low < 0 < high, tags  # the overall alone would have decided nothing
-    assert EVIDENCE_TAG_PREFIX + "resolution" not in tags  # no advice to evaluate more items
+    assert "resolution" not in evidence(tags)  # no advice to evaluate more items
 
 
 def test_mlflow_models_serve_answers_a_generation_request(tmp_path: Path, data_root: Path) -> None:
