@@ -1,14 +1,25 @@
-"""Fixtures of the unit tests that read and write a real MLflow registry."""
+"""Fixtures of the unit tests: a one-process gloo group, and a real MLflow registry to read and
+write."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from mlflow import MlflowClient
 
 from forgeline.configs import Config
+
+
+@pytest.fixture
+def process_group(tmp_path: Path) -> Iterator[None]:
+    """torch.distributed in this process alone (world size 1), for the code that asks it."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,13 +32,6 @@ from forgeline.model.checkpoint.tiers import PersistentTier
 from forgeline.model.llama import Transformer
 
 ARGS = ModelConfig(vocab_size=50, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=16)
-
-
-@pytest.fixture
-def process_group(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def trained_state(seed: int) -> tuple[Transformer, torch.optim.Optimizer, dict]:

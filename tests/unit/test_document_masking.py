@@ -5,7 +5,6 @@ tests/integration/test_document_masking.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,13 +29,6 @@ DOCUMENTS = torch.tensor([
     [0] * 17,
     [1] * 2 + [2] * 2 + [3] * 13,
 ], dtype=torch.int32)
-
-
-@pytest.fixture
-def process_group(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def tiny_model(max_seq_len: int = 32, **shape: int) -> Transformer:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -106,20 +106,30 @@ CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # tests/chat.p
 
 
 @contextmanager
-def prompts_given(lm: ForgelineLM) -> Iterator[list[str]]:
-    """The prompts of the generate requests `lm` gets meanwhile."""
+def requests_to(lm: ForgelineLM, method: str) -> Iterator[list[str]]:
+    """The first argument (prompt, or context) of each request `lm.<method>` gets meanwhile."""
     seen: list[str] = []
-    generate = lm.generate_until
+    answer = getattr(lm, method)
 
-    def recording(requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+    def recording(requests: list[Instance], disable_tqdm: bool = False) -> list:
         seen.extend(request.args[0] for request in requests)
-        return generate(requests, disable_tqdm)
+        return answer(requests, disable_tqdm)
 
-    lm.generate_until = recording
+    setattr(lm, method, recording)
     try:
         yield seen
     finally:
-        del lm.generate_until
+        delattr(lm, method)
+
+
+def prompts_given(lm: ForgelineLM) -> AbstractContextManager[list[str]]:
+    """The prompts of the generate requests `lm` gets meanwhile."""
+    return requests_to(lm, "generate_until")
+
+
+def contexts_scored(lm: ForgelineLM) -> AbstractContextManager[list[str]]:
+    """The contexts of the log-likelihood requests `lm` gets meanwhile."""
+    return requests_to(lm, "loglikelihood")
 
 
 @pytest.fixture(scope="module")
@@ -186,23 +196,6 @@ def test_chat_false_asks_ifeval_without_the_template_and_true_through_it(
             scored = score_lm(assistant, plan, task_manager)
         assert sorted(seen) == sorted(expected), chat
         assert scored.chat == {"instruction_following": chat}
-
-
-@contextmanager
-def contexts_scored(lm: ForgelineLM) -> Iterator[list[str]]:
-    """The contexts of the log-likelihood requests `lm` gets meanwhile."""
-    seen: list[str] = []
-    loglikelihood = lm.loglikelihood
-
-    def recording(requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        seen.extend(request.args[0] for request in requests)
-        return loglikelihood(requests, disable_tqdm)
-
-    lm.loglikelihood = recording
-    try:
-        yield seen
-    finally:
-        del lm.loglikelihood
 
 
 def test_a_mixed_dimension_generates_through_the_template_and_scores_choices_as_completions(

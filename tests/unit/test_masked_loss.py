@@ -5,9 +5,6 @@ Across data-parallel ranks and pipeline stages: tests/integration/test_sft.py.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,13 +16,6 @@ from forgeline.model.training.loader import DocumentBatch
 from forgeline.model.training.step import TrainStep
 
 VOCAB, SEQ_LEN, ROWS = 64, 16, 4
-
-
-@pytest.fixture
-def process_group(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def tiny_step(grad_accum_steps: int) -> TrainStep:

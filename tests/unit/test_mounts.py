@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from forgeline.model.checkpoint import mounts
 from forgeline.model.checkpoint.manager import claim_generation
@@ -50,13 +48,6 @@ def test_the_mount_of_a_path_is_the_deepest_and_last_mounted() -> None:
     assert (mount.point, mount.fstype) == ("/my runs", "nfs4")
     assert mount_of(Path("/sharedx/a"), parse_mountinfo(text)).fstype == "tmpfs"
     assert mount_of(Path("/shared/a"), parse_mountinfo(text)).fstype == "ext4"
-
-
-@pytest.fixture
-def process_group(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_training_starts_by_saying_so(tmp_path: Path, process_group: None, monkeypatch: pytest.MonkeyPatch,

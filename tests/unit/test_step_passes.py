@@ -1,8 +1,6 @@
 """Passes the train step saves over its largest tensors, each the same math as before: clipping
 folded into the fused AdamW step, the cross-entropy's gradient made in place."""
 
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,13 +12,6 @@ from forgeline.model.llama import Transformer
 from forgeline.model.training.step import IGNORED, TrainStep, cross_entropy
 
 SHAPE = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=32)
-
-
-@pytest.fixture
-def process_group(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class OpNames(TorchDispatchMode):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,13 +39,6 @@ from forgeline.tasks.data.build import train_tokenizer
 
 SEQ_LEN, VOCAB = 16, 64
 TEXT = "Wie heißt du? ¿Qué tal? 東京は晴れ。 Shall I compare thee to a summer's day? naïve café 🙂"
-
-
-@pytest.fixture
-def process_group(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def shards(tmp_path: Path, sizes: list[int]) -> list[ShardInfo]:
