@@ -27,6 +27,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +118,7 @@ def commit(names: list[str]) -> None:
     from dvc.repo import Repo
 
     deadline = time.monotonic() + LOCK_WAIT_S
-    with Repo(".") as repo:
+    with Repo(".") as repo, dvc_infos_unprinted():
         while True:
             try:
                 for name in names:
@@ -126,3 +128,17 @@ def commit(names: list[str]) -> None:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(1)
+
+
+@contextmanager
+def dvc_infos_unprinted() -> Iterator[None]:
+    """DVC's logger at WARNING meanwhile: importing DVC gives it handlers of its own that print its
+    INFO lines ("Updating lock file 'dvc.lock'") on stdout, among forgeline's console lines, which
+    say what was recorded."""
+    dvc_log = logging.getLogger("dvc")
+    level = dvc_log.level
+    dvc_log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        dvc_log.setLevel(level)

@@ -78,10 +78,11 @@ def test_a_lock_that_cannot_be_written_is_a_warning(described: dict,
     assert not Path("dvc.lock").exists()
 
 
-def test_a_commit_waits_for_another_dvc_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_commit_waits_for_another_dvc_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capfd: pytest.CaptureFixture[str]) -> None:
     """Another process holds DVC's repository lock for 5 s, longer than DVC's own 3 s of retries
     (two stages of two flows finishing at once, a `dvc commit` copying a checkpoint): the commit
-    waits for it, then records its stage."""
+    waits for it, then records its stage, printing nothing of DVC's own on the console."""
     monkeypatch.chdir(tmp_path)
     subprocess.run(["git", "init", "-q"], check=True)
     subprocess.run([DVC, "init", "-q"], check=True)
@@ -101,3 +102,4 @@ def test_a_commit_waits_for_another_dvc_writer(tmp_path: Path, monkeypatch: pyte
         holder.wait(timeout=30)
     [out] = yaml.safe_load(Path("dvc.lock").read_text())["stages"]["s"]["outs"]
     assert out["path"] == "out.txt" and out["md5"]
+    assert "Updating lock file" not in capfd.readouterr().out
