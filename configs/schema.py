@@ -1215,9 +1215,15 @@ class Config(Section):
             section, field = dotted.split(".")
             if dump[section][field] == value:
                 del dump[section][field]
-        if self.run.name.endswith(f"-{run_fingerprint(dump)[:8]}"):
+        if self.run_name_filled_in:
             del dump["run"]["name"]
         return dump
+
+    @property
+    def run_name_filled_in(self) -> bool:
+        """Whether run.name is the one filled in on loading (`<stem>-<fingerprint>`), not one the
+        config or an override set."""
+        return self.run.name.endswith(f"-{run_fingerprint(self.model_dump(mode='json'))[:8]}")
 
     def data_fingerprint(self) -> str:
         """What the data stage builds from: the data section less its placement, and

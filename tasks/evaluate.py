@@ -484,7 +484,7 @@ def asked_groups(scores: list[TaskScore], chat: bool) -> list[tuple[list[TaskSco
     generative = [s for s in scores if s.generative]
     likelihood = [s for s in scores if not s.generative]
     groups = [(generative, chat), (likelihood, False)] if chat else [(scores, False)]
-    return [(group, through_template) for group, through_template in groups if group]
+    return [(group, templated) for group, templated in groups if group]
 
 
 def merged_results(parts: list[dict]) -> dict:
@@ -508,8 +508,8 @@ def score_lm(lm: lm_eval.api.model.LM, plan: Plan, task_manager: TaskManager) ->
                      extra={"progress": (done, len(plan), name)})
             results = merged_results([
                 evaluate_tasks(lm, [s.task for s in group], num_fewshot=dcfg.num_fewshot, limit=dcfg.limit,
-                               chat=through_template, task_manager=task_manager)
-                for group, through_template in asked_groups(scores, chat)])
+                               chat=templated, task_manager=task_manager)
+                for group, templated in asked_groups(scores, chat)])
             samples = results.pop("samples")
             scored.items |= {s.task: TaskItems.from_samples(samples[s.task], s) for s in scores}
             scored.lm_eval_results[name] = results

@@ -38,7 +38,6 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from forgeline.configs import Config
 from forgeline.configs.redaction import REDACTED, scrub
-from forgeline.configs.schema import run_fingerprint
 from forgeline.model.spool import TrackingSpool, discard_sent, replay, spool_files, spooled_metric
 from forgeline.tasks.stage import PACKAGE_ROOT
 
@@ -308,7 +307,7 @@ def runs_link(cfg: Config) -> str:
     try:
         experiment = experiment_id(MlflowClient(resolve_tracking_uri(cfg)), cfg)
     except STORE_DOWN:  # the run's writes wait in the spool; its link is for when the store answers
-        return f"(the tracking store {scrub(resolve_tracking_uri(cfg))} does not answer now)"
+        return store_down(cfg)
     return ui_page(cfg, f"#/experiments/{experiment}/runs?workflowType=machine_learning"
                         f"&viewStateShareKey={RUNS_VIEW_KEY}")
 
@@ -316,6 +315,11 @@ def runs_link(cfg: Config) -> str:
 # What a store that does not answer raises: MLflow's client wraps most, not all, of requests' errors.
 STORE_DOWN = (MlflowException, requests.RequestException, OSError)
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a store that is no server
+
+
+def store_down(cfg: Config) -> str:
+    """What a link says in place of a page when the tracking store does not answer."""
+    return f"(the tracking store {scrub(resolve_tracking_uri(cfg))} does not answer now)"
 
 
 def run_link(cfg: Config, run_id: str) -> str:
@@ -326,7 +330,7 @@ def run_link(cfg: Config, run_id: str) -> str:
     try:
         experiment = MlflowClient(resolve_tracking_uri(cfg)).get_run(run_id).info.experiment_id
     except STORE_DOWN:  # a run that finished through an outage: its writes wait in the spool
-        return f"(the tracking store {scrub(resolve_tracking_uri(cfg))} does not answer now)"
+        return store_down(cfg)
     return ui_page(cfg, f"#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning")
 
 
@@ -357,7 +361,7 @@ def config_label(cfg: Config) -> str:
     one (`ablation-lr`), else its registered model's name without `forgeline-` (`tiny`, `debug`,
     `mine`) -- the name filled in when it was loaded, `<stem>-<fingerprint>`, would say less in
     the runs table's narrow column. A Config does not know the file it was read from."""
-    if not cfg.run.name.endswith(f"-{run_fingerprint(cfg.model_dump(mode='json'))[:8]}"):
+    if not cfg.run_name_filled_in:
         return cfg.run.name
     return cfg.registry.model_name.removeprefix(MODEL_NAME_PREFIX) or cfg.registry.model_name
 

@@ -320,9 +320,9 @@ def _check_tool_calls(message: Message, i: int, written: str) -> None:
         name = call.get("function", call).get("name", "")
         if not name or name not in written:
             raise ToolCallsNotRendered(f"the chat template writes no call of tool {name!r} in assistant turn "
-                                    f"{i} (it ignores `tool_calls`), so the turn would train a reply without "
-                                    "it; use a template that renders tool calls (ChatML with tools, Qwen, "
-                                    "Llama 3.1+)")
+                                       f"{i} (it ignores `tool_calls`), so the turn would train a reply "
+                                       "without it; use a template that renders tool calls (ChatML with "
+                                       "tools, Qwen, Llama 3.1+)")
 
 
 def _marked(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[Message], text: str,
