@@ -373,7 +373,8 @@ class ForgelineLM(TemplateLM):
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, with do_sample/temperature) generation up to max_gen_toks or the
         first stop sequence, which is cut off. Requests with the same settings are decoded
-        together, longest prompt first."""
+        together, `batch_size` rows at a time, longest prompt first; a request that ends gives
+        its row to the next (model/inference.py stream_batch)."""
         groups: dict[str, list[int]] = defaultdict(list)
         for index, request in enumerate(requests):
             groups[json.dumps(request.args[1], sort_keys=True, default=str)].append(index)
@@ -392,20 +393,18 @@ class ForgelineLM(TemplateLM):
             tail = max(len(s.encode()) for s in until) + 4
             prompts = {i: self.tok_encode(requests[i].args[0]) for i in indices}
             ordered = sorted(indices, key=lambda i: -len(prompts[i]))
-            for start in range(0, len(ordered), self.batch_size):
-                batch = ordered[start:start + self.batch_size]
-                new_tokens = generate_batch(
-                    self.model, [prompts[i] for i in batch], max_new, temperature=temperature,
-                    stop_token=self.eot_token_id,
-                    stop=lambda row, new, until=until, tail=tail: any(s in self.tok_decode(new[-tail:])
-                                                                      for s in until),
-                )
-                for index, tokens in zip(batch, new_tokens, strict=True):
-                    text = self.tok_decode(tokens)
-                    for stop in until:
-                        text = text.split(stop)[0]
-                    outputs[index] = text
-                    self.cache_hook.add_partial("generate_until", requests[index].args, text)
-                progress.update(len(batch))
+            new_tokens = generate_batch(
+                self.model, [prompts[i] for i in ordered], max_new, temperature=temperature,
+                stop_token=self.eot_token_id, batch_size=self.batch_size,
+                stop=lambda row, new, until=until, tail=tail: any(s in self.tok_decode(new[-tail:])
+                                                                  for s in until),
+                ended=lambda row: progress.update(1),
+            )
+            for index, tokens in zip(ordered, new_tokens, strict=True):
+                text = self.tok_decode(tokens)
+                for stop in until:
+                    text = text.split(stop)[0]
+                outputs[index] = text
+                self.cache_hook.add_partial("generate_until", requests[index].args, text)
         progress.close()
         return outputs

@@ -4,6 +4,7 @@ inference bundle, and generate text."""
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
@@ -116,12 +117,15 @@ def pack_linears(model: nn.Module) -> nn.Module:
 def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
                    temperature: float = 0.0, stop_token: int | None = None,
                    stop: Callable[[int, list[int]], bool] | None = None,
-                   generator: torch.Generator | None = None, top_p: float = 1.0) -> list[list[int]]:
+                   generator: torch.Generator | None = None, top_p: float = 1.0,
+                   batch_size: int | None = None,
+                   ended: Callable[[int], None] | None = None) -> list[list[int]]:
     """Each prompt's new tokens, decoded together (stream_batch). A row ends at `stop_token`
-    (not included) or once `stop(row, new_tokens)` is true."""
+    (not included) or once `stop(row, new_tokens)` is true; `ended(row)` is called then."""
     new: list[list[int]] = [[] for _ in prompts]
     for row, token in stream_batch(model, prompts, max_new_tokens, temperature, top_p,
-                                   () if stop_token is None else (stop_token,), stop, generator):
+                                   () if stop_token is None else (stop_token,), stop, generator,
+                                   batch_size, ended):
         new[row].append(token)
     return new
 
@@ -130,45 +134,98 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
 def stream_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
                  temperature: float = 0.0, top_p: float = 1.0, stop_tokens: Collection[int] = (),
                  stop: Callable[[int, list[int]], bool] | None = None,
-                 generator: torch.Generator | None = None) -> Iterator[tuple[int, int]]:
+                 generator: torch.Generator | None = None, batch_size: int | None = None,
+                 ended: Callable[[int], None] | None = None) -> Iterator[tuple[int, int]]:
     """Greedy (temperature 0) or sampled (sample_next) continuations of `prompts`, decoded
     together with a KV cache: yields (row, token) for each new token as soon as it is chosen. A
-    row ends at a token of `stop_tokens` (not yielded) or once `stop(row, new_tokens)` is true.
-    Prompts are cut to their last max_seq_len - max_new_tokens tokens."""
-    device = next(model.parameters()).device
+    row ends at a token of `stop_tokens` (not yielded), after max_new_tokens, or once
+    `stop(row, new_tokens)` is true; `ended(row)` is called then. Prompts are cut to their last
+    max_seq_len - max_new_tokens tokens.
+
+    At most `batch_size` rows (default: all) decode at once; a row that ends gives its place to
+    the next prompt waiting (continuous batching), so a batch is not held up by its longest
+    reply while the rest of it idles. Each prompt but its last token is computed in one forward
+    as it enters; every step then feeds each row one token, a prompt's last or the one just
+    chosen."""
     room = model.shape.max_seq_len - max_new_tokens
     if room < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in "
                          f"max_seq_len={model.shape.max_seq_len}")
+    if max_new_tokens < 1 or not prompts:
+        return
     prompts = [p[-room:] for p in prompts]
-    width = max(len(p) for p in prompts)
-    tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-    cache = KVCache(model.shape, len(prompts), width + max_new_tokens, device, next(model.parameters()).dtype)
-    for row, prompt in enumerate(prompts):  # left-padded: every row's next token is at `width`
-        tokens[row, width - len(prompt):] = torch.tensor(prompt, device=device)
-        cache.valid[row, width - len(prompt):width] = True
-    logits = model.logits(model.hidden_states(tokens, cache)[:, -1]).float()  # (B, V): last position only
+    waiting = deque(range(len(prompts)))
+    slots = min(batch_size or len(prompts), len(prompts))
+    decoding = Decoding(model, slots, max(map(len, prompts)) + max_new_tokens)
+    decoding.admit(range(decoding.slots), waiting, prompts)
     new: list[list[int]] = [[] for _ in prompts]
-    active = list(range(len(prompts)))  # the rows still decoding, in cache order
-    for step in range(max_new_tokens):
-        chosen = sample_next(logits, temperature, top_p, generator)
-        keep = []
-        for position, (row, token) in enumerate(zip(active, chosen.tolist(), strict=True)):
-            if token in stop_tokens:
-                continue
-            new[row].append(token)
-            yield row, token
-            if stop is None or not stop(row, new[row]):
-                keep.append(position)
-        if not keep or step == max_new_tokens - 1:
-            break
-        if len(keep) < len(active):  # finished rows leave the batch: no compute spent on them
-            rows = torch.tensor(keep, device=device)
-            cache.select(rows)
-            chosen = chosen.index_select(0, rows)
-            active = [active[position] for position in keep]
-        cache.valid[:, width + step] = True
-        logits = model.logits(model.hidden_states(chosen[:, None], cache)[:, -1]).float()
+    while decoding.rows:
+        chosen = sample_next(decoding.step(), temperature, top_p, generator)
+        done = []
+        for slot, (row, token) in enumerate(zip(decoding.rows, chosen.tolist(), strict=True)):
+            if token not in stop_tokens:
+                new[row].append(token)
+                yield row, token
+            if (token in stop_tokens or len(new[row]) == max_new_tokens
+                    or (stop is not None and stop(row, new[row]))):
+                done.append(slot)
+                if ended is not None:
+                    ended(row)
+        decoding.feed = chosen
+        if done:
+            decoding.release(decoding.admit(done, waiting, prompts))
+
+
+class Decoding:
+    """The rows being decoded, one per slot of a KV cache, and the token each is fed next."""
+
+    def __init__(self, model: Transformer, slots: int, max_len: int):
+        self.model, self.slots = model, slots
+        weight = next(model.parameters())
+        # Columns for a prompt and a short reply first: many rows end long before max_len.
+        self.cache = KVCache(model.shape, slots, max_len, weight.device, weight.dtype, reserve=512)
+        self.rows: list[int] = [-1] * slots  # the prompt each slot decodes
+        self.feed = torch.zeros(slots, dtype=torch.long, device=weight.device)
+
+    def step(self) -> torch.Tensor:
+        """Feed every row its token: (rows, V) logits of the next."""
+        return self.model.logits(self.model.hidden_states(self.feed[:, None], self.cache)[:, -1]).float()
+
+    def admit(self, slots: Collection[int], waiting: deque[int], prompts: list[list[int]]) -> list[int]:
+        """Give these slots the next prompts waiting; returns the slots left without one."""
+        taken = [(slot, waiting.popleft()) for slot in list(slots)[:len(waiting)]]
+        if taken:
+            places = torch.tensor([slot for slot, _ in taken], device=self.feed.device)
+            heads = [prompts[row][:-1] for _, row in taken]
+            self.cache.place(places, self.prefilled(heads))
+            self.feed[places] = torch.tensor([prompts[row][-1] for _, row in taken], device=self.feed.device)
+            for slot, row in taken:
+                self.rows[slot] = row
+        return list(slots)[len(taken):]
+
+    def prefilled(self, heads: list[list[int]]) -> KVCache:
+        """A cache of `heads`, one a row, computed in one forward (right-padded: the padding's
+        columns lie past each row's length, where no query looks)."""
+        weight = next(self.model.parameters())
+        width = max(1, max(map(len, heads)))
+        cache = KVCache(self.model.shape, len(heads), width, weight.device, weight.dtype)
+        if any(heads):
+            tokens = torch.zeros(len(heads), width, dtype=torch.long, device=weight.device)
+            for row, head in enumerate(heads):
+                tokens[row, :len(head)] = torch.tensor(head, dtype=torch.long, device=weight.device)
+            self.model.hidden_states(tokens, cache)
+        cache.lengths = torch.tensor(list(map(len, heads)), device=weight.device)
+        return cache
+
+    def release(self, slots: list[int]) -> None:
+        """Drop these slots, which no prompt took: no compute spent on them."""
+        if not slots:
+            return
+        keep = [slot for slot in range(len(self.rows)) if slot not in set(slots)]
+        index = torch.tensor(keep, dtype=torch.long, device=self.feed.device)
+        self.cache.select(index)
+        self.feed = self.feed.index_select(0, index)
+        self.rows = [self.rows[slot] for slot in keep]
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float = 1.0,

@@ -76,15 +76,15 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-def sliding_window_mask(mask: torch.Tensor | None, start: int, T: int, window: int) -> torch.Tensor | None:
+def sliding_window_mask(mask: torch.Tensor | None, T: int, window: int) -> torch.Tensor | None:
     """`mask` (True: may attend; None: causal) narrowed to keys less than `window` positions
-    before their query, for T queries at positions start.. over the keys up to them; None where
-    the window covers the causal mask anyway."""
-    keys = mask.size(-1) if mask is not None else start + T
+    before their query, for T queries at positions 0.. over the keys up to them; None where the
+    window covers the causal mask anyway."""
+    keys = mask.size(-1) if mask is not None else T
     if keys <= window:
         return mask
     device = mask.device if mask is not None else None
-    queries, key_positions = torch.arange(start, start + T, device=device), torch.arange(keys, device=device)
+    queries, key_positions = torch.arange(T, device=device), torch.arange(keys, device=device)
     near = key_positions[None, :] > queries[:, None] - window  # (T, S)
     if mask is None:
         return near & (key_positions[None, :] <= queries[:, None])
@@ -181,45 +181,84 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor, layout: str = "interleaved")
 
 
 class KVCache:
-    """Keys and values of the positions decoded so far, for incremental decoding (inference
-    only). Prompts of different lengths share one grid of positions, left-padded; `valid` marks
-    the positions that hold real tokens. Rotary embeddings only see relative positions, so the
-    padding shifts nothing."""
+    """Keys and values of the tokens decoded so far, for incremental decoding (inference only).
+    Each row holds its own sequence from column 0, `lengths[row]` columns of it filled, and its
+    tokens sit at their own positions: rows of different lengths decode together without
+    padding between them, and a row whose sequence ended can take a new one (`place`) while
+    the others go on (continuous batching, model/inference.py stream_batch). Columns past a
+    row's length may hold stale keys: no query ever sees them."""
 
     def __init__(self, shape: ModelConfig, batch: int, max_len: int, device: torch.device,
-                 dtype: torch.dtype):
-        size = (batch, shape.n_kv_heads, max_len, shape.head_dim)
+                 dtype: torch.dtype, reserve: int | None = None):
+        """`max_len` columns at most; `reserve` of them allocated at first (all by default),
+        more as rows reach them."""
+        self.max_len = max_len
+        size = (batch, shape.n_kv_heads, min(max_len, reserve or max_len), shape.head_dim)
         self.keys = {str(i): torch.zeros(size, device=device, dtype=dtype) for i in range(shape.n_layers)}
         self.values = {str(i): torch.zeros(size, device=device, dtype=dtype) for i in range(shape.n_layers)}
-        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
-        self.length = 0  # positions filled
-        self.mask: torch.Tensor | None = None  # (B, 1, T, length + T) of the forward in progress
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.positions: torch.Tensor | None = None  # (B, T) of the forward in progress
+        self.mask: torch.Tensor | None = None  # (B, 1, T, S): True where a query sees a key
+
+    def _reach(self, end: int) -> None:
+        """Have at least `end` columns: grown by doubling, up to max_len."""
+        if end > self.max_len:
+            raise ValueError(f"a row would reach position {end}, past the cache's {self.max_len}")
+        columns = next(iter(self.keys.values())).size(2)
+        if end > columns:
+            grown = min(self.max_len, max(end, 2 * columns))
+            self.keys = {layer: _widened(t, grown) for layer, t in self.keys.items()}
+            self.values = {layer: _widened(t, grown) for layer, t in self.values.items()}
 
     def begin(self, new: int) -> None:
-        """Before a forward of `new` positions: each sees the valid positions up to itself, and
-        always itself (a padding position attending to nothing would turn into NaN)."""
-        end = self.length + new
-        queries = torch.arange(self.length, end, device=self.valid.device)[:, None]
-        keys = torch.arange(end, device=self.valid.device)[None, :]
-        visible = self.valid[:, None, :end] & (keys <= queries)[None] | (keys == queries)[None]
-        self.mask = visible[:, None]  # (B, 1, T, end)
+        """Before a forward of `new` tokens a row, each row's appended after its filled columns:
+        a token sees its own row's columns up to itself. The columns grow (doubling, up to
+        max_len) only as far as the rows reach."""
+        self.positions = self.lengths[:, None] + torch.arange(new, device=self.lengths.device)  # (B, T)
+        end = int(self.lengths.max()) + new
+        self._reach(end)
+        keys = torch.arange(end, device=self.lengths.device)
+        self.mask = (keys <= self.positions[:, :, None])[:, None]  # (B, 1, T, end)
+
+    def windowed(self, window: int) -> torch.Tensor:
+        """The forward's mask narrowed to keys less than `window` positions before their query."""
+        keys = torch.arange(self.mask.size(-1), device=self.mask.device)
+        return self.mask & (keys > self.positions[:, :, None] - window)[:, None]
 
     def append(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this forward's (B, H_kv, T, D) keys and values; return all of them so far."""
-        end = self.length + k.size(2)
-        self.keys[layer][:, :, self.length:end] = k
-        self.values[layer][:, :, self.length:end] = v
+        """Store this forward's (B, H_kv, T, D) keys and values at their rows' positions; return
+        every row's columns up to the farthest position of the forward."""
+        rows = torch.arange(k.size(0), device=k.device)[:, None]  # (B, 1), against positions (B, T)
+        self.keys[layer][rows, :, self.positions] = k.transpose(1, 2)  # indexed: (B, T, H_kv, D)
+        self.values[layer][rows, :, self.positions] = v.transpose(1, 2)
+        end = self.mask.size(-1)
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
     def end(self, new: int) -> None:
-        self.length += new
-        self.mask = None
+        self.lengths += new
+        self.positions = self.mask = None
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep these batch rows, in this order: e.g. drop the rows that finished decoding."""
         self.keys = {k: v.index_select(0, rows) for k, v in self.keys.items()}
         self.values = {k: v.index_select(0, rows) for k, v in self.values.items()}
-        self.valid = self.valid.index_select(0, rows)
+        self.lengths = self.lengths.index_select(0, rows)
+
+    def place(self, rows: torch.Tensor, other: KVCache) -> None:
+        """Make these rows hold `other`'s sequences (one each, in order), whatever they held."""
+        width = int(other.lengths.max())
+        self._reach(width)
+        for layer in self.keys:
+            self.keys[layer][rows, :, :width] = other.keys[layer][:, :, :width]
+            self.values[layer][rows, :, :width] = other.values[layer][:, :, :width]
+        self.lengths[rows] = other.lengths
+
+
+def _widened(t: torch.Tensor, columns: int) -> torch.Tensor:
+    """(B, H, S, D) -> (B, H, columns, D), the first S columns carried over."""
+    wide = t.new_zeros(t.size(0), t.size(1), columns, t.size(3))
+    wide[:, :, :t.size(2)] = t
+    return wide
 
 
 class Attention(nn.Module):
@@ -265,8 +304,10 @@ class Attention(nn.Module):
         # A mask the caller built is narrowed to the window by the Transformer, by token position
         # (packed sequences that share a context are not contiguous); the causal rows, a cache's
         # grid and the documents' spans by index, here.
-        if self.window is not None and (cache is not None or not isinstance(given, torch.Tensor)):
-            mask = sliding_window_mask(mask, 0 if cache is None else cache.length, q.size(2), self.window)
+        if self.window is not None and cache is not None:
+            mask = cache.windowed(self.window)
+        elif self.window is not None and not isinstance(given, torch.Tensor):
+            mask = sliding_window_mask(mask, q.size(2), self.window)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, H_kv, S, D): the past and these positions
         out = self.attend(q, k, v, mask)
@@ -455,7 +496,7 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.begin(T)
             mask = cache.mask
-        ropes = {table: self.positioned(table, positions, cache, T) for table in ("rope", "rope_local")}
+        ropes = {table: self.positioned(table, positions, cache) for table in ("rope", "rope_local")}
         windowed = {}
         if cache is None and isinstance(mask, torch.Tensor):
             windowed = self.windowed_masks(mask, positions)
@@ -492,15 +533,15 @@ class Transformer(nn.Module):
         windows = {self.shape.window_of(i) for i in range(self.shape.n_layers)} - {None}
         return {window: mask & (behind < window) for window in windows}
 
-    def positioned(self, table: str, positions: torch.Tensor | None, cache: KVCache | None,
-                   T: int) -> torch.Tensor | None:
-        """Rotary table `table` (`rope` or `rope_local`) for these T tokens: each token's row of
-        `positions` (B, T) -> (B, T, D/2, 2), the rows after the cached positions, or the table
-        from position 0 (under sequence parallelism T here is a rank's share of the sequence)."""
+    def positioned(self, table: str, positions: torch.Tensor | None,
+                   cache: KVCache | None) -> torch.Tensor | None:
+        """Rotary table `table` (`rope` or `rope_local`) for the tokens of a forward: each token's
+        row of `positions` (B, T), or of the cache's positions for them, -> (B, T, D/2, 2); or the
+        table from position 0 (under sequence parallelism the forward takes a rank's share)."""
         rope = getattr(self, table)
         if rope is None or (positions is None and cache is None):
             return rope
-        return rope[positions] if positions is not None else rope[cache.length:cache.length + T]
+        return rope[positions if positions is not None else cache.positions]
 
     def tie_embeddings(self) -> None:
         """Make the output projection the embedding's matrix again: again after anything that

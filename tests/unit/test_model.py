@@ -104,7 +104,6 @@ def test_cached_decoding_matches_full_forward_passes() -> None:
     tokens = torch.randint(0, 97, (1, 12))
     full = model(tokens)
     cache = KVCache(ARGS, 1, 12, torch.device("cpu"), torch.float32)
-    cache.valid[:, :12] = True
     prefix = model(tokens[:, :5], cache)
     steps = [model(tokens[:, i:i + 1], cache) for i in range(5, 12)]
     torch.testing.assert_close(torch.cat([prefix, *steps], dim=1), full, atol=1e-5, rtol=1e-5)
@@ -127,6 +126,43 @@ def test_rows_that_stop_leave_the_batch_and_the_others_go_on_unchanged() -> None
     cut = generate_batch(model, prompts, max_new_tokens=6,
                          stop=lambda row, new: len(new) == stops_after.get(row, -1))
     assert cut == [full[0][:1], full[1], full[2][:3], full[3]]
+
+
+def decode_steps(model: Transformer) -> list[int]:
+    """The rows of each one-token forward the model computes from now on (its decoding steps)."""
+    rows: list[int] = []
+
+    def record(_: nn.Module, args: tuple[torch.Tensor]) -> None:
+        if args[0].size(1) == 1:
+            rows.append(args[0].size(0))
+    model.tok_embeddings.register_forward_pre_hook(record)
+    return rows
+
+
+def test_a_row_that_ends_gives_its_place_to_the_next_prompt() -> None:
+    model = build().eval()
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13], [42], [5, 6, 4]]
+    full = [greedy_without_cache(model, prompt, 6) for prompt in prompts]
+    stops_after = {0: 1, 1: 5, 2: 2, 3: 4}
+    steps = decode_steps(model)
+    cut = generate_batch(model, prompts, max_new_tokens=6, batch_size=2,
+                         stop=lambda row, new: len(new) == stops_after[row])
+    assert cut == [full[row][:stops_after[row]] for row in range(4)]
+    # Two rows a step while a prompt waits: prompt 2 enters after step 1, prompt 3 after step 3;
+    # batches of two held up by their longest reply would take 5 + 4 = 9 steps.
+    assert steps == [2, 2, 2, 2, 2, 1, 1]
+
+
+def test_replies_longer_than_the_first_columns_of_the_cache_are_unchanged() -> None:
+    model = build().eval()
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11]]
+    cache = KVCache(ARGS, 2, 28, torch.device("cpu"), torch.float32, reserve=4)  # grows 4 -> 8 -> 16 -> 28
+    logits = [model(torch.tensor([p[:3] for p in prompts]), cache)[:, -1]]
+    for step in range(20):
+        logits.append(model(torch.tensor([[step], [step + 1]]), cache)[:, -1])
+    assert cache.keys["0"].size(2) == 28
+    tokens = torch.tensor([[*p[:3], *range(k, k + 20)] for p, k in zip(prompts, (0, 1), strict=True)])
+    torch.testing.assert_close(torch.stack(logits, 1), model(tokens)[:, 2:], atol=1e-5, rtol=1e-5)
 
 
 def test_sampling_is_reproducible_with_a_generator() -> None:
