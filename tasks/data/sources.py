@@ -6,7 +6,7 @@ become. `preflight_sources` runs before anything is read or written: a missing p
 unreadable file or a parquet file without its text column fails there, naming the file.
 
 A record of a conversation source (`format` messages or instruction, or the packaged `chitchat`
-conversations) becomes one document holding the conversation as JSON text (chat.py
+and `chatterbot` conversations) becomes one document holding the conversation as JSON text (chat.py
 `conversation_text`): its roles and contents, nothing else. A record that is not of the shape
 its format says fails, naming the file and line.
 
@@ -40,6 +40,7 @@ from typing import IO
 
 import fsspec
 import pyarrow.parquet as pq
+import yaml
 
 from forgeline.configs import Config
 from forgeline.configs.schema import SourceConfig
@@ -52,6 +53,21 @@ STDLIB_SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "di
 # is too long whatever it holds, and is counted without being read.
 MAX_BYTES_PER_CHAR = 4
 CHITCHAT_FILE = "dataset.json"  # in the chitchat_dataset package
+CHATTERBOT_DATA = "data/english"  # in the chatterbot_corpus package: one YAML file per topic
+# Topic files of chatterbot-corpus that are not read. Eval overlap (eval/dimensions.py): files of
+# quiz questions with one short right answer teach what the knowledge dimension (TriviaQA, MMLU)
+# and ARC's science questions score, not how to follow an instruction; and code requests are what
+# the code dimension (HumanEval, MBPP) asks. Shape: some files list a prompt and alternative
+# replies, which read as alternating turns would put the bot's replies in the user's mouth.
+CHATTERBOT_EXCLUDED = frozenset({
+    "trivia.yml",  # knowledge: trivia quiz questions (TriviaQA's kind); two are MMLU questions verbatim
+    "science.yml",  # knowledge, ARC: science facts ("what disease does a carcinogen cause", an MMLU question)
+    "history.yml",  # knowledge: who-invented-what questions with one-word answers
+    "literature.yml",  # knowledge: who-wrote-what and who-is-this-character questions
+    "coding.yml",  # code: "write a Fibonacci function / prime checker / palindrome checker in Python"
+    "computers.yml",  # shape (a question and alternative answers), and knowledge (who invented computers)
+    "emotion.yml",  # shape: a remark and five alternative replies each
+})
 # Rows turned into Python strings at a time from a parquet file or a saved dataset: documents can
 # be large, so a batch, not the file, bounds the memory a reader holds.
 BATCH_ROWS = 1024
@@ -95,6 +111,8 @@ def preflight_sources(cfg: Config) -> None:
             shakespeare_plays()
         elif source.kind == "chitchat":
             chitchat_file()
+        elif source.kind == "chatterbot":
+            chatterbot_files()
 
 
 def is_url(path: str) -> bool:
@@ -182,6 +200,8 @@ def source_stamp(source: SourceConfig) -> str | None:
         files: list[SourceFile] = shakespeare_plays()
     elif source.kind == "chitchat":
         files = [chitchat_file()]
+    elif source.kind == "chatterbot":
+        files = chatterbot_files()
     elif source.kind == "stdlib":
         files = stdlib_files()
     elif source.kind == "files":
@@ -215,6 +235,8 @@ def read_source(source: SourceConfig, max_chars: int) -> Iterator[RawDocument]:
         yield from read_shakespeare(label)
     elif source.kind == "chitchat":
         yield from read_chitchat(label)
+    elif source.kind == "chatterbot":
+        yield from read_chatterbot(label)
     elif source.kind == "stdlib":
         for path in stdlib_files():
             yield read_file(label, path, max_chars)
@@ -455,3 +477,28 @@ def read_chitchat(label: str) -> Iterator[RawDocument]:
                     for number, text in enumerate(turns)]
         data = conversation_text(messages).encode()
         yield RawDocument(label, chat_id, data, len(data))
+
+
+def chatterbot_dir() -> Path:
+    return Path(str(resources.files("chatterbot_corpus") / CHATTERBOT_DATA))
+
+
+def chatterbot_files() -> list[Path]:
+    """The topic files of chatterbot-corpus that are read: all but CHATTERBOT_EXCLUDED, by name."""
+    files = sorted(path for path in chatterbot_dir().glob("*.yml") if path.name not in CHATTERBOT_EXCLUDED)
+    if not files:
+        raise FileNotFoundError(f"no topic files in {chatterbot_dir()}; is the `chatterbot-corpus` package "
+                                "installed (`make install`)?")
+    return files
+
+
+def read_chatterbot(label: str) -> Iterator[RawDocument]:
+    """One conversation per entry of each topic file, named `<file>#<index>`: its strings
+    alternate, the first the user's."""
+    for path in chatterbot_files():
+        conversations = yaml.safe_load(path.read_text(encoding="utf-8"))["conversations"]
+        for number, turns in enumerate(conversations):
+            messages = [{"role": ("user", "assistant")[n % 2], "content": text}
+                        for n, text in enumerate(turns)]
+            data = conversation_text(messages).encode()
+            yield RawDocument(label, f"{path.name}#{number}", data, len(data))
