@@ -994,6 +994,13 @@ class EvalConfig(Section):
     batch_size: PositiveInt = 16
     """Requests scored or generated per forward pass."""
 
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """The weights' precision while scoring and generating (logits are reduced in fp32 either
+    way). `auto`: bf16 on a GPU that supports it, else fp32 -- the eval stage and the in-training
+    evaluation score on the CPU, so fp32 (bf16 on CPUs without native support is 30-90x slower,
+    and refused). It decides scores, so it is part of what pairs evaluations and keys cached
+    ones; the in-training evaluation uses it too."""
+
     during_training: InTrainingEvalConfig = Field(default_factory=InTrainingEvalConfig)
     """Evaluation while training runs."""
 

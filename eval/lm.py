@@ -12,10 +12,11 @@ several requests (the choices of a multiple-choice item) is computed once, their
 branching off its end. Generation is batched with a KV cache. On the CPU the linear layers run
 on weights packed once for oneDNN (model/inference.py, pack_linears).
 
-Two settings besides the weights decide a score: the tokenizer -- its end-of-text token is the
-token a document's first window is predicted from (lm-eval's prefix token) -- and `max_length`,
-the window a document is scored in (by default the model's context, `max_seq_len`). Models
-compared item by item must be scored with the same two (tasks/evaluate.py, Scoring).
+Three settings besides the weights decide a score: the tokenizer -- its end-of-text token is the
+token a document's first window is predicted from (lm-eval's prefix token) -- `max_length`, the
+window a document is scored in (by default the model's context, `max_seq_len`), and `precision`,
+the weights' dtype (auto, fp32 or bf16; auto: bf16 on a GPU that supports it, else fp32). Models
+compared item by item must be scored with the same three (tasks/evaluate.py, Scoring).
 
 A tokenizer with a chat template makes the model an assistant: lm-eval's
 `simple_evaluate(apply_chat_template=True)` renders each request's prompt through that template
@@ -45,6 +46,8 @@ from forgeline.configs.environment import apply_environment_defaults, progress_b
 from forgeline.eval.chat import Messages, end_of_turn_id, render_chat
 from forgeline.model.hf import import_hf
 from forgeline.model.inference import generate_batch, load_bundle, load_from_checkpoint, pack_linears
+from forgeline.model.llama import Transformer
+from forgeline.model.parallel.mesh import resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -191,15 +194,35 @@ def scoring_window(context: int, max_length: int | str | None) -> int:
     return window
 
 
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def eval_precision(requested: str, device_type: str, setting: str = "precision") -> str:
+    """fp32 or bf16: what `requested` (auto, fp32 or bf16; `setting` names it in errors) runs
+    the weights in on `device_type`. bf16 is refused on a CPU without native support."""
+    if requested != "auto" and requested not in PRECISIONS:
+        raise ValueError(f"{setting}={requested}: evaluation runs in auto, fp32 or bf16")
+    return "bf16" if resolve_precision(requested, device_type, setting) == torch.bfloat16 else "fp32"
+
+
+def in_precision(model: Transformer, precision: str) -> Transformer:
+    """`model` with its parameters in `precision` -- not its buffers: the rotary tables stay fp32,
+    as apply_rope rotates in complex fp32."""
+    for parameter in model.parameters():
+        parameter.data = parameter.data.to(PRECISIONS[precision])
+    return model
+
+
 # lm-eval fills its model registry with its own names (hf, vllm, ...) only when the registry is
 # empty; lm_eval.models, imported above, fills it first, so ours joins them rather than hiding them.
 @register_model("forgeline")
 class ForgelineLM(TemplateLM):
     def __init__(self, tokenizer: str, checkpoint: str | None = None, bundle: str | None = None,
                  hf: str | None = None, batch_size: int | str = 16, max_length: int | str | None = None,
-                 device: str = "cpu", **_ignored) -> None:
+                 device: str = "cpu", precision: str = "auto", **_ignored) -> None:
         apply_environment_defaults()  # lm-eval may construct this class from its own command line
         device = usable_device(device)
+        self.precision = eval_precision(precision, torch.device(device).type)
         sources = {"checkpoint": checkpoint, "bundle": bundle, "hf": hf}
         if sum(v is not None for v in sources.values()) != 1:
             raise ValueError("forgeline model_args need exactly one of checkpoint=..., bundle=... or hf=...")
@@ -210,7 +233,8 @@ class ForgelineLM(TemplateLM):
         else:
             model, _ = import_hf(hf, device=device)
         super().__init__()
-        self.model = pack_linears(model)
+        # pack_linears packs fp32 linears only: bf16 ones stay plain nn.Linear.
+        self.model = pack_linears(in_precision(model, self.precision))
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(Path(tokenizer)))
         self._tokenizer_dir = str(Path(tokenizer).resolve())
         self.end_of_turn = end_of_turn_id(self.tokenizer)

@@ -3,7 +3,8 @@ that step -- the in-training evaluation, run as its own process by the trainer (
 ranks never wait for it:
 
     python -m forgeline.eval.periodic --checkpoint DIR --data-dir DIR --tasks T [T ...]
-        --dimension-shots D=K [D=K ...] --dimension-chat D=true|false [...] --limit N --run-id ID --step S
+        --dimension-shots D=K [D=K ...] --dimension-chat D=true|false [...] --limit N
+        --precision auto|fp32|bf16 --run-id ID --step S
 
 Every score comes with its standard error, computed from each item's value as the eval stage
 computes it (eval/scores.py `item_stderr`: closed form for a mean, a seeded bootstrap over the
@@ -12,7 +13,8 @@ items for another aggregation), and named as the eval stage names it on the pipe
 asks it (eval/suite.py `evaluate_tasks`): with its dimension's few-shot count (the trainer passes
 eval.dimensions' as --dimension-shots) and the same seeds, and a generative task through the
 tokenizer's chat template as its dimension's `chat` setting says (--dimension-chat; unset:
-where the tokenizer has one); only the number of items (`--limit`) is the in-training
+where the tokenizer has one), its weights in the eval stage's precision (--precision, the
+trainer passes eval.precision); only the number of items (`--limit`) is the in-training
 evaluation's own. At the same limit, its scores at the last step are the eval stage's.
 """
 
@@ -39,7 +41,8 @@ log = logging.getLogger("forgeline.eval.periodic")
 
 
 def evaluate_checkpoint(checkpoint: Path, data_dir: Path, tasks: list[str], num_fewshot: dict[str, int],
-                        chat: dict[str, bool], limit: int | None, batch_size: int) -> dict[str, float]:
+                        chat: dict[str, bool], limit: int | None, batch_size: int,
+                        precision: str) -> dict[str, float]:
     """`score_tasks` on `checkpoint`."""
     # Imported here, after main() applied the environment defaults lm-eval and datasets read.
     from forgeline.eval.lm import ForgelineLM
@@ -48,7 +51,7 @@ def evaluate_checkpoint(checkpoint: Path, data_dir: Path, tasks: list[str], num_
     with tempfile.TemporaryDirectory(prefix="forgeline-periodic-") as scratch:
         task_manager = suite_task_manager(render_suite(Path(scratch), data_dir))
         lm = ForgelineLM(checkpoint=str(checkpoint), tokenizer=str(data_dir / "tokenizer"),
-                         batch_size=batch_size)
+                         batch_size=batch_size, precision=precision)
         return score_tasks(lm, tasks, num_fewshot, limit, task_manager, chat)
 
 
@@ -101,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
                              "(others: where the tokenizer has one)")
     parser.add_argument("--limit", type=int)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="the weights' precision (eval.precision)")
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--step", required=True, type=int)
     args = parser.parse_args(argv)
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     num_fewshot = fewshot_counts(args.tasks, shots)
     chat = {name: value == "true" for name, _, value in (pair.partition("=") for pair in args.dimension_chat)}
     scores = evaluate_checkpoint(args.checkpoint, args.data_dir, args.tasks, num_fewshot, chat, args.limit,
-                                 args.batch_size)
+                                 args.batch_size, args.precision)
     log_scores(args.run_id, args.step, scores)
     log.info("step %d: %s", args.step, describe(scores))
 

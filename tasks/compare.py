@@ -128,6 +128,10 @@ def paired_against_first(client: MlflowClient, run_ids: list[str]) -> str:
             lines.append(f"{run_id} - {run_ids[0]}: not paired, scored in {windows(other.max_length)} and "
                          f"{windows(first.max_length)}: the same item may be scored differently")
             continue
+        if other.precision != first.precision:
+            lines.append(f"{run_id} - {run_ids[0]}: not paired, scored in {other.precision} and "
+                         f"{first.precision}: the same item may be scored differently")
+            continue
         plan = shared_plan(other, first)
         if not plan:
             lines.append(f"{run_id} - {run_ids[0]}: not paired, no task was evaluated alike by both")

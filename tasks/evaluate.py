@@ -14,13 +14,15 @@ same items (the same suite, limits and few-shot examples): its scores sit beside
 every output -- `base/...` and `versus_base/...` (the run's score minus the base's, paired on
 the shared items) in
 metrics.json and MLflow, `base` and `versus_base` in report.json, the base's bars beside the
-run's in the chart. The base is scored as the run is (Scoring): with the run's data tokenizer
-and in windows of the run's context, so that identical weights score identically; where that
+run's in the chart. The base is scored as the run is (Scoring): with the run's data tokenizer,
+in windows of the run's context and in eval.precision (resolved where ForgelineLM scores, on
+the CPU), so that identical weights score identically; where that
 tokenizer has a chat template (an sft run's), both are asked the generative tasks' prompts
 through it, as each dimension's `chat` setting says (as_assistant). A base's scores are cached
 under $FORGELINE_CACHE/evals by its weights' sha256, the scoring (the tokenizer's files, its
-chat template among them, the window), the plan (each dimension's `chat` among it) and the
-suite's fingerprint (eval/suite.py), so the runs continued from one base evaluate it once.
+chat template among them, the window, the precision), the plan (each dimension's `chat` among
+it) and the suite's fingerprint (eval/suite.py), so the runs continued from one base evaluate
+it once.
 
 Output (`eval.out_dir`): `report.json` (scores per dimension and task, with intervals),
 `metrics.json` (flat, standard errors under `stderr/`; the DVC metrics file),
@@ -56,7 +58,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 from forgeline.configs import Config
 from forgeline.configs.schema import DimensionConfig, EvalConfig
 from forgeline.eval.dimensions import DIMENSION_TASKS, TaskScore, task_score, through_template
-from forgeline.eval.lm import ForgelineLM
+from forgeline.eval.lm import ForgelineLM, eval_precision
 from forgeline.eval.scores import (
     Z95,
     TaskItems,
@@ -107,6 +109,8 @@ class EvalResult:
     detectable_dimensions: dict[str, float] = field(default_factory=dict)
     """Per dimension: the change of its score these items detect, by the same rule
     (detectable_by_dimension)."""
+    precision: str = "fp32"
+    """The weights' precision it scored in (Scoring): eval.precision resolved."""
 
     def _change(self, change: float, key: str) -> str:
         interval = f" ± {Z95 * self.change_stderrs[key]:.3f}" if key in self.change_stderrs else ""
@@ -177,9 +181,16 @@ def check_task_source(ecfg: EvalConfig) -> None:
 
 
 def preflight_eval(cfg: Config) -> None:
-    """The tasks exist and, for hub tasks, the Hub may be reached."""
+    """The tasks exist, for hub tasks the Hub may be reached, and the precision suits this machine."""
     plan_tasks(cfg.eval)
     check_task_source(cfg.eval)
+    stage_precision(cfg.eval)
+
+
+def stage_precision(ecfg: EvalConfig) -> str:
+    """fp32 or bf16: eval.precision where the eval stage scores, on the CPU (ForgelineLM's default
+    device; the in-training evaluation's too); bf16 is refused on a CPU without native support."""
+    return eval_precision(ecfg.precision, "cpu", "eval.precision")
 
 
 def eval_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> EvalResult:
@@ -192,13 +203,13 @@ TRAIN_RUN_TAG = "forgeline.train_run_id"  # on an eval run and a model version: 
 
 
 def record_eval(cfg: Config, run: RunTracker, parent: RunTracker | None, result: EvalResult) -> None:
-    """What it scored -- the checkpoint, its step and the run that trained it -- as params, tags
-    and in the run's name (`eval tiny step-300`); every score under `eval/...` (the parent's
+    """What it scored -- the checkpoint, its step, the run that trained it and the precision -- as
+    params, tags and in the run's name (`eval tiny step-300`); every score under `eval/...` (the parent's
     name for it too), the report, lm-eval's results, the per-item values and the chart; the
     scores and chart on the parent."""
     scored = scored_checkpoint(result.checkpoint)
     run.log_params({"checkpoint": scored["checkpoint"], "checkpoint_step": scored["step"],
-                    "train_run_id": scored["train_run_id"] or "unknown"}
+                    "train_run_id": scored["train_run_id"] or "unknown", "precision": result.precision}
                    | {f"chat.{name}": asked for name, asked in result.chat.items()})
     run.set_tags({"forgeline.checkpoint": scored["checkpoint"], "forgeline.checkpoint_step": scored["step"],
                   **({TRAIN_RUN_TAG: scored["train_run_id"]} if scored["train_run_id"] else {}),
@@ -276,24 +287,27 @@ def plan_record(plan: Plan) -> dict[str, dict]:
 
 @dataclass(frozen=True)
 class Scoring:
-    """What decides a model's score on an item besides its weights (eval/lm.py): the tokenizer
-    and the window. Every model scored on a run's items is scored with the run's: the data
-    stage's tokenizer -- whose end-of-text token separated the documents the run trained on and
-    starts each held-out document's first window -- and the run's context (its max_seq_len; a
-    run from a base has the base's) as the window. A base scored with its own tokenizer files
-    starts its documents from their end-of-text token, which may be another (a chat model's
-    <|im_end|>): identical weights then score differently."""
+    """What decides a model's score on an item besides its weights (eval/lm.py): the tokenizer,
+    the window and the precision. Every model scored on a run's items is scored with the run's:
+    the data stage's tokenizer -- whose end-of-text token separated the documents the run trained
+    on and starts each held-out document's first window -- the run's context (its max_seq_len; a
+    run from a base has the base's) as the window, and eval.precision. A base scored with its own
+    tokenizer files starts its documents from their end-of-text token, which may be another (a
+    chat model's <|im_end|>): identical weights then score differently."""
     tokenizer: Path
     """The tokenizer's directory (tokenizer.json and the files naming its special tokens)."""
     max_length: int
+    precision: str
+    """fp32 or bf16, resolved (stage_precision): `auto` may resolve differently elsewhere."""
 
     @classmethod
-    def of_run(cls, checkpoint: Path, data_dir: Path) -> Scoring:
+    def of_run(cls, checkpoint: Path, data_dir: Path, precision: str) -> Scoring:
         """The scoring of the run whose checkpoint this is, trained on the data in `data_dir`."""
-        return cls(tokenizer=data_dir / "tokenizer", max_length=checkpoint_shape(checkpoint).max_seq_len)
+        return cls(tokenizer=data_dir / "tokenizer", max_length=checkpoint_shape(checkpoint).max_seq_len,
+                   precision=precision)
 
     def model_args(self) -> dict[str, str | int]:
-        return {"tokenizer": str(self.tokenizer), "max_length": self.max_length}
+        return {"tokenizer": str(self.tokenizer), "max_length": self.max_length, "precision": self.precision}
 
 
 def tokenizer_sha256(directory: str | Path) -> str:
@@ -307,10 +321,10 @@ def tokenizer_sha256(directory: str | Path) -> str:
 
 def scoring_record(model_args: dict[str, str | int]) -> dict:
     """What items.json and the score caches keep of ForgelineLM's scoring arguments: the
-    tokenizer's files by content and the window (None: the model's own context, which its
-    identity fixes)."""
+    tokenizer's files by content, the window (None: the model's own context, which its identity
+    fixes) and the precision (resolved: fp32 or bf16)."""
     return {"tokenizer_sha256": tokenizer_sha256(model_args["tokenizer"]),
-            "max_length": model_args.get("max_length")}
+            "max_length": model_args.get("max_length"), "precision": model_args["precision"]}
 
 
 def windows(max_length: int | None) -> str:
@@ -328,6 +342,9 @@ class EvaluatedItems:
     items: dict[str, TaskItems]
     max_length: int | None = None
     """The window the items were scored in (Scoring); None in records written before it was kept."""
+    precision: str = "fp32"
+    """The precision the items were scored in (Scoring); records written before it was kept were
+    scored in fp32, the only one there was."""
 
     @classmethod
     def read(cls, path: Path, which: str = "model") -> EvaluatedItems:
@@ -337,7 +354,9 @@ class EvaluatedItems:
         items = {task: TaskItems(ids=entry["ids"], values=entry["values"], clusters=entry.get("clusters"))
                  for task, entry in record[which].items()}
         suite = record["suite"]
-        return cls(suite["fingerprint"], suite["plan"], items, suite.get("scoring", {}).get("max_length"))
+        scoring = suite.get("scoring", {})
+        return cls(suite["fingerprint"], suite["plan"], items, scoring.get("max_length"),
+                   scoring.get("precision", "fp32"))
 
     def scores(self) -> dict[str, list[TaskScore]]:
         """The plan's scored tasks per dimension."""
@@ -362,6 +381,8 @@ class EvaluatedItems:
                     "tasks, held-out documents, item packages or scoring code)"]
         if self.max_length != other.max_length:
             return [f"scored in {windows(self.max_length)}, not {windows(other.max_length)}"]
+        if self.precision != other.precision:
+            return [f"scored in {self.precision}, not {other.precision}"]
         fewshot = self.fewshot()
         why = [f"{name}'s generative tasks were asked with chat={self.plan[name].get('chat')}, not "
                f"{entry.get('chat')}" for name, entry in other.plan.items()
@@ -388,11 +409,12 @@ def evaluate_model(cfg: Config) -> EvalResult:
     data_dir, out_dir = Path(cfg.data.out_dir), Path(cfg.eval.out_dir)
     suite_dir = render_suite(out_dir / "tasks", data_dir)
     task_manager = suite_task_manager(suite_dir)
-    scoring = Scoring.of_run(checkpoint, data_dir)
+    scoring = Scoring.of_run(checkpoint, data_dir, stage_precision(cfg.eval))
     model_args = {"checkpoint": str(checkpoint)} | scoring.model_args()
     scored = score_model(model_args, cfg.eval.batch_size, plan, task_manager)
     report = scored.report(plan)
-    result = replace(result_of(report, scored.raw, out_dir, checkpoint), chat=scored.chat)
+    result = replace(result_of(report, scored.raw, out_dir, checkpoint), chat=scored.chat,
+                     precision=scoring.precision)
     suite = suite_fingerprint(suite_dir, data_dir)
     suite_record = {"fingerprint": suite, "plan": plan_record(plan), "scoring": scoring_record(model_args)}
     items = {"suite": suite_record, "model": scored.items_record(plan)}

@@ -302,8 +302,9 @@ def version_of(version: ModelVersion | None) -> str | None:
 def champion_on_items(cfg: Config, client: MlflowClient, champion: ModelVersion,
                       candidate: EvaluatedItems) -> EvaluatedItems:
     """The champion's results on every item of the candidate's: its registered ones when they
-    cover them, else its registered export evaluated on the candidate's items, which needs the
-    candidate's suite here (this code and `data.out_dir`'s held-out documents)."""
+    cover them, else its registered export evaluated on the candidate's items (in its windows and
+    precision), which needs the candidate's suite here (this code and `data.out_dir`'s held-out
+    documents)."""
     registered = logged_items(client, champion.run_id)
     why = registered.unpaired(candidate) if registered else ["no per-item results were registered with it"]
     if not why:
@@ -323,23 +324,24 @@ def champion_on_items(cfg: Config, client: MlflowClient, champion: ModelVersion,
         export = registered_export(client.tracking_uri, champion.name, str(champion.version))
         model = {"registry": registry_key(client.tracking_uri), "model": champion.name,
                  "version": str(champion.version), "run": champion.run_id}
-        model_args = {"hf": str(export), "tokenizer": str(export)} | window_of(candidate, export, label)
-        scored = cached_scores(model, label, model_args, cfg.eval.batch_size, candidate.eval_plan(),
-                               suite_task_manager(suite_dir), candidate.suite)
-    return EvaluatedItems(candidate.suite, candidate.plan, scored.items, candidate.max_length)
+        scored = cached_scores(model, label, scored_as(candidate, export, label), cfg.eval.batch_size,
+                               candidate.eval_plan(), suite_task_manager(suite_dir), candidate.suite)
+    return EvaluatedItems(candidate.suite, candidate.plan, scored.items, candidate.max_length,
+                          candidate.precision)
 
 
-def window_of(candidate: EvaluatedItems, export: Path, label: str) -> dict[str, int]:
-    """ForgelineLM's window argument for scoring the champion's `export` in the candidate's
-    windows (tasks/evaluate.py Scoring): a score depends on the window, so the two must share it.
-    None recorded (items from before windows were kept): the champion's own context."""
+def scored_as(candidate: EvaluatedItems, export: Path, label: str) -> dict[str, str | int]:
+    """ForgelineLM's arguments for scoring the champion's `export` in the candidate's windows and
+    precision (tasks/evaluate.py Scoring): a score depends on both, so the two must share them.
+    No window recorded (items from before windows were kept): the champion's own context."""
+    model_args = {"hf": str(export), "tokenizer": str(export), "precision": candidate.precision}
     if candidate.max_length is None:
-        return {}
+        return model_args
     context = model_shape_from_hf(AutoConfig.from_pretrained(str(export))).max_seq_len
     if candidate.max_length > context:
         raise Unpaired(f"the candidate was scored in windows of {candidate.max_length} tokens, longer than "
                        f"the {label}'s context of {context}: the two cannot be scored alike")
-    return {"max_length": candidate.max_length}
+    return model_args | {"max_length": candidate.max_length}
 
 
 def evidence_tags(comparison: dict, champion: str, advice: str) -> dict[str, str]:

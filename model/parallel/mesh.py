@@ -48,15 +48,16 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def resolve_precision(requested: str, device_type: str) -> torch.dtype:
-    """The compute dtype for train.precision on this machine; refuses bf16 where it would
-    crawl (CPUs without native bf16 run bf16 matmuls 30-90x slower than fp32)."""
+def resolve_precision(requested: str, device_type: str, setting: str = "train.precision") -> torch.dtype:
+    """The compute dtype for a precision setting (`setting`: train.precision, eval.precision) on
+    this machine; refuses bf16 where it would crawl (CPUs without native bf16 run bf16 matmuls
+    30-90x slower than fp32)."""
     if requested == "auto":
         cuda_bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if cuda_bf16 else torch.float32
     if requested == "bf16" and device_type == "cpu" and not cpu_has_native_bf16():
-        raise LayoutError("train.precision=bf16 on a CPU without native bf16 support (no AVX-512 "
-                          "BF16/AMX): it would run 30-90x slower than fp32; use train.precision=fp32")
+        raise LayoutError(f"{setting}=bf16 on a CPU without native bf16 support (no AVX-512 "
+                          f"BF16/AMX): it would run 30-90x slower than fp32; use {setting}=fp32")
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[requested]
 
 

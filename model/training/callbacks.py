@@ -289,6 +289,8 @@ class InTrainingEvalCallback(Callback):
     """The eval stage's few-shot count of each dimension that has one (eval.dimensions)."""
     dimension_chat: dict[str, bool]
     """The `chat` setting of each dimension that sets one (eval.dimensions)."""
+    precision: str
+    """The eval stage's (eval.precision), so that its scores on a checkpoint are the eval stage's."""
     _queue: list[int] = field(default_factory=list)
     _running: subprocess.Popen | None = None
 
@@ -325,7 +327,7 @@ class InTrainingEvalCallback(Callback):
                "--checkpoint", str(self.checkpoint_root / step_dir_name(step)),
                "--data-dir", str(self.data_dir),
                "--tasks", *self.cfg.tasks, "--run-id", self.run_id, "--step", str(step),
-               "--batch-size", str(self.batch_size),
+               "--batch-size", str(self.batch_size), "--precision", self.precision,
                "--dimension-shots", *(f"{name}={shots}" for name, shots in self.dimension_shots.items()),
                "--dimension-chat", *(f"{name}={'true' if chat else 'false'}"
                                      for name, chat in self.dimension_chat.items())]

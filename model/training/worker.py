@@ -233,7 +233,7 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
         chat = {name: dimension.chat for name, dimension in cfg.eval.dimensions.items()
                 if dimension.chat is not None}
         callbacks.append(InTrainingEvalCallback(cfg.eval.during_training, outputs.checkpoints, data_dir,
-                                                run_id, cfg.eval.batch_size, shots, chat))
+                                                run_id, cfg.eval.batch_size, shots, chat, cfg.eval.precision))
     trainer = Trainer(total_steps=cfg.train.steps, state=trainer_state, train_step=train_step, device=device,
                       tokens_per_step=tokens_per_step, callbacks=callbacks)
     trainer.fit()

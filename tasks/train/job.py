@@ -111,8 +111,11 @@ def describe_failure(line: str) -> str | None:
 
 
 def preflight_precision(cfg: Config) -> None:
-    """The training precision suits this machine (bf16 only where it is native)."""
+    """The training precision suits this machine (bf16 only where it is native), and so does the
+    in-training evaluation's, which scores on the CPU (eval/periodic.py)."""
     resolve_precision(cfg.train.precision, local_device_type())
+    if cfg.eval.during_training.every_steps:
+        resolve_precision(cfg.eval.precision, "cpu", "eval.precision")
 
 
 RUN_RECORD = "run.json"  # in train.out_dir: the run whose checkpoints are there
@@ -353,6 +356,8 @@ def rank_config_yaml(cfg: Config) -> str:
     read["eval"] = cfg.eval.model_dump(include={"during_training", "batch_size"})
     if asked := in_training_settings(cfg):
         read["eval"]["dimensions"] = asked
+    if cfg.eval.during_training.every_steps:  # it scores in the eval stage's precision
+        read["eval"]["precision"] = cfg.eval.precision
     return yaml.safe_dump(read, sort_keys=False)
 
 

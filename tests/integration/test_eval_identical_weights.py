@@ -84,6 +84,7 @@ def assert_scored_as_its_base(cfg: Config) -> None:
     assert "versus_base/overall" in changes and len(changes) > 1  # overall and each dimension
     assert changes == pytest.approx(dict.fromkeys(changes, 0.0), **TOLERANCE)
     assert items["suite"]["scoring"]["max_length"] == SHAPE["max_position_embeddings"]  # the run's context
+    assert items["suite"]["scoring"]["precision"] == "fp32"  # eval.precision auto, on the CPU
 
 
 def test_a_run_that_kept_its_bases_weights_scores_as_its_base_and_is_not_promoted(

@@ -284,7 +284,8 @@ def test_a_continued_run_is_evaluated_beside_its_base_and_its_version_serves(
     monkeypatch.setattr(evaluate, "ForgelineLM", lambda **kwargs: loads.append(kwargs) or real_lm(**kwargs))
     again = evaluate.evaluate_model(cfg)
     # One model loaded: the run's; the base's scores come from the cache.
-    assert [set(kwargs) - {"batch_size"} for kwargs in loads] == [{"checkpoint", "tokenizer", "max_length"}]
+    assert [set(kwargs) - {"batch_size"} for kwargs in loads] == [{"checkpoint", "tokenizer", "max_length",
+                                                                   "precision"}]
     assert again.base_dimensions == result.base_dimensions and cached.is_file()
 
     registered = run_stage(stage_named("register"), cfg)

@@ -188,9 +188,10 @@ def test_a_better_model_is_promoted_an_identical_one_is_not_and_a_champion_is_re
     monkeypatch.setattr(evaluate, "ForgelineLM", lambda **kwargs: loads.append(kwargs) or real_lm(**kwargs))
     more_items = "eval.dimensions.language_modeling.limit=30"
     _, other = trained_evaluated_registered(tmp_path / "more-items", data_root, tmp_path, 40, more_items)
-    # The run's, then the champion's: scored in the run's windows.
-    assert [set(load) for load in loads] == [{"checkpoint", "tokenizer", "max_length", "batch_size"},
-                                             {"hf", "tokenizer", "max_length", "batch_size"}]
+    # The run's, then the champion's: scored in the run's windows and precision.
+    scoring = {"tokenizer", "max_length", "precision", "batch_size"}
+    assert [set(load) for load in loads] == [{"checkpoint"} | scoring, {"hf"} | scoring]
+    assert [load["precision"] for load in loads] == ["fp32", "fp32"]
     # The same weights, the champion's through its Hugging Face export: equal to rounding.
     tags = client.get_model_version(name, other).tags
     assert tags[DECISION_TAG].startswith(f"inconclusive: versus version {longer}; overall "), \

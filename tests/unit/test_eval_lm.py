@@ -14,7 +14,7 @@ from forgeline.eval.lm import ForgelineLM, Sequence, pack_rows
 from forgeline.eval.scores import TaskItems
 from forgeline.model.checkpoint.manager import MANIFEST_NAME
 from forgeline.model.hf import export_hf
-from forgeline.tasks.evaluate import EvaluatedItems, Scoring, scores_cache_file
+from forgeline.tasks.evaluate import EvaluatedItems, Scoring, scores_cache_file, scoring_record
 from tests.conftest import random_lm
 
 
@@ -112,13 +112,16 @@ def test_a_run_and_its_base_are_scored_with_the_runs_tokenizer_in_windows_of_its
     shape = ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
                         max_seq_len=96)
     (checkpoint / MANIFEST_NAME).write_text(json.dumps({"model_args": shape.model_dump(mode="json")}))
-    scoring = Scoring.of_run(checkpoint, data_root / "data")
-    assert scoring.model_args() == {"tokenizer": str(data_root / "data" / "tokenizer"), "max_length": 96}
+    scoring = Scoring.of_run(checkpoint, data_root / "data", "bf16")
+    assert scoring.model_args() == {"tokenizer": str(data_root / "data" / "tokenizer"), "max_length": 96,
+                                    "precision": "bf16"}
 
 
-def test_cached_scores_are_keyed_by_the_tokenizer_and_the_window(data_root: Path, tmp_path: Path) -> None:
-    """A base's scores cached under another window or another end-of-text token are not read
-    back; its weights' location is not part of the key (their sha256 is, in `model`)."""
+def test_cached_scores_are_keyed_by_the_tokenizer_the_window_and_the_precision(
+        data_root: Path, tmp_path: Path) -> None:
+    """A base's scores cached under another window, another end-of-text token or another
+    precision are not read back; its weights' location is not part of the key (their sha256 is,
+    in `model`)."""
     plan = {"language_modeling": ([task_score("forgeline_heldout")],
                                   DimensionConfig(tasks=["forgeline_heldout"], limit=3, num_fewshot=0))}
     tokenizer = data_root / "data" / "tokenizer"
@@ -126,8 +129,8 @@ def test_cached_scores_are_keyed_by_the_tokenizer_and_the_window(data_root: Path
     settings = json.loads((chat / "tokenizer_config.json").read_text())
     (chat / "tokenizer_config.json").write_text(json.dumps(settings | {"eos_token": "<|im_end|>"}))
 
-    def cache_file(weights: str, tokenizer: Path, max_length: int | None) -> Path:
-        model_args = {"hf": weights, "tokenizer": str(tokenizer)}
+    def cache_file(weights: str, tokenizer: Path, max_length: int | None, precision: str = "fp32") -> Path:
+        model_args = {"hf": weights, "tokenizer": str(tokenizer), "precision": precision}
         if max_length is not None:
             model_args["max_length"] = max_length
         return scores_cache_file({"base": "0" * 64}, model_args, "suite", plan, 8)
@@ -135,7 +138,8 @@ def test_cached_scores_are_keyed_by_the_tokenizer_and_the_window(data_root: Path
     key = cache_file("base", tokenizer, 512)
     assert cache_file("moved/base", tokenizer, 512) == key
     assert len({key, cache_file("base", tokenizer, 256), cache_file("base", tokenizer, None),
-                cache_file("base", chat, 512)}) == 4
+                cache_file("base", chat, 512), cache_file("base", tokenizer, 512, "bf16")}) == 5
+    assert scoring_record({"tokenizer": str(tokenizer), "precision": "bf16"})["precision"] == "bf16"
 
 
 def test_items_scored_in_another_window_do_not_pair() -> None:
@@ -147,6 +151,21 @@ def test_items_scored_in_another_window_do_not_pair() -> None:
     assert why == "scored in windows of 512 tokens, not windows of 256 tokens"
     [why] = run.unpaired(replace(run, max_length=None))  # a record from before the window was kept
     assert why == "scored in windows of 512 tokens, not unrecorded windows"
+
+
+def test_items_scored_in_another_precision_do_not_pair(tmp_path: Path) -> None:
+    plan = {"language_modeling": {"tasks": ["forgeline_heldout"], "limit": 2, "num_fewshot": 0}}
+    items = {"forgeline_heldout": TaskItems(ids=["a", "b"], values=[[-9.0, 4], [-7.0, 3]])}
+    run = EvaluatedItems("suite", plan, items, max_length=512, precision="bf16")
+    assert run.unpaired(replace(run, precision="bf16")) == []
+    [why] = run.unpaired(replace(run, precision="fp32"))
+    assert why == "scored in bf16, not fp32"
+    # A record from before the precision was kept was scored in fp32, the only one there was.
+    before = tmp_path / "items.json"
+    suite = {"fingerprint": "suite", "plan": plan, "scoring": {"max_length": 512}}
+    before.write_text(json.dumps({"suite": suite, "model": {"forgeline_heldout": {
+        "ids": ["a", "b"], "values": [[-9.0, 4], [-7.0, 3]]}}}))
+    assert EvaluatedItems.read(before) == replace(run, precision="fp32")
 
 
 def test_generate_until_cuts_at_the_stop_sequence(lm: ForgelineLM) -> None:

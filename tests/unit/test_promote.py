@@ -3,6 +3,7 @@ is tests/integration/test_promotion.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -35,6 +36,7 @@ from forgeline.tasks.promote import (
     judge,
     promote,
     resolution,
+    scored_as,
 )
 from forgeline.tasks.register import registration_key
 
@@ -270,6 +272,15 @@ def test_results_pair_only_when_they_cover_the_others_items_under_the_same_suite
     five_shot = {**PLAN, "knowledge": {**PLAN["knowledge"], "num_fewshot": 5}}
     assert champion.unpaired(evaluated(draws("b", CHAMPION), plan=five_shot)) == [
         "forgeline_mmlu was evaluated 0-shot, not 5-shot"]
+
+
+def test_a_champion_is_scored_in_the_candidates_precision(tmp_path: Path) -> None:
+    """Registered items of another precision do not cover the candidate's: the champion's export
+    is scored again, in the candidate's."""
+    candidate = dataclasses.replace(evaluated(draws("a", CHAMPION)), precision="bf16")
+    assert evaluated(draws("b", CHAMPION)).unpaired(candidate) == ["scored in fp32, not bf16"]
+    assert scored_as(candidate, tmp_path, "champion") == {"hf": str(tmp_path), "tokenizer": str(tmp_path),
+                                                          "precision": "bf16"}
 
 
 def test_a_hub_tasks_score_is_its_forgeline_counterparts_under_its_own_name() -> None:

@@ -72,7 +72,7 @@ def test_an_eval_run_names_what_it_scored_and_every_score_has_one_name(tmp_path:
 
     scored, pipeline = client.get_run(run.run_id), client.get_run(parent.run_id)
     assert scored.data.params == {"checkpoint": str(checkpoint.resolve()), "checkpoint_step": "300",
-                                  "train_run_id": train.run_id}
+                                  "train_run_id": train.run_id, "precision": "fp32"}
     tags = scored.data.tags
     assert tags["forgeline.checkpoint"] == str(checkpoint.resolve())
     assert tags["forgeline.checkpoint_step"] == "300"
