@@ -614,14 +614,16 @@ class ModelConfig(Section):
         tables = 1 if self.tie_embeddings else 2
         return tables * self._vocab() * self.dim + self.n_layers * self.layer_params + self.dim
 
-    def flops_per_token(self, seq_len: int) -> int:
+    def flops_per_token(self, seq_len: int, frozen: bool = False) -> int:
         """Training FLOPs per token, forward + backward (PaLM appendix B): 6 per weight of every
         matmul (all parameters but the embedding table and the norm gains) plus attention's
-        score and value products, 12 * n_layers * dim * seq_len."""
+        score and value products, 12 * n_layers * dim * seq_len. `frozen`: the matmul weights
+        take no gradient (LoRA trains adapters beside them), so 4 per weight -- the forward and
+        the backward to the inputs; the adapters' own (about 1 % of that at rank 8) are left out."""
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         block_matmuls = 2 * self.dim * (q_dim + kv_dim) + 3 * self.dim * self.ffn_dim
         matmul_params = self._vocab() * self.dim + self.n_layers * block_matmuls
-        return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
+        return (4 if frozen else 6) * matmul_params + 12 * self.n_layers * self.dim * seq_len
 
     def _vocab(self) -> int:
         if self.vocab_size is None:

@@ -188,8 +188,9 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
         load_base(train_step.parts, base, shape)
 
     tokens_per_step = cfg.train.global_batch_size * manifest["seq_len"]
+    flops_per_token = shape.flops_per_token(manifest["seq_len"], frozen=bool(cfg.sft and cfg.sft.lora))
     metrics = MetricsLogger(run_id, rank, cfg.train.log_every, cfg.train.steps,
-                            flops_per_step=shape.flops_per_token(manifest["seq_len"]) * tokens_per_step,
+                            flops_per_step=flops_per_token * tokens_per_step,
                             peak_flops=total_peak_flops(cfg, device), device=device)
     degrees = {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
                "tp": layout.tp, "world_size": world_size,

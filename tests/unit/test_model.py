@@ -84,6 +84,8 @@ def test_training_flops_count_matmuls_and_attention() -> None:
     args = ModelConfig(vocab_size=100, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=32)
     matmul_weights = args.num_params() - 100 * 16 - (2 * 2 + 1) * 16  # no embedding table, no norms
     assert args.flops_per_token(seq_len=64) == 6 * matmul_weights + 12 * 2 * 16 * 64
+    # Frozen weights (LoRA) take no weight gradient: the forward and the backward to the inputs.
+    assert args.flops_per_token(seq_len=64, frozen=True) == 4 * matmul_weights + 12 * 2 * 16 * 64
 
 
 def test_a_rank_well_above_the_median_is_named_a_straggler() -> None:
