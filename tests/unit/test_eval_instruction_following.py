@@ -5,6 +5,7 @@ chat template and stopped at its end-of-turn token; its per-item scores pair lik
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -274,3 +275,20 @@ def test_ifeval_generates_with_lm_evals_own_settings(task_manager: TaskManager) 
                        Untagged)
     ours = task_manager.load(["forgeline_ifeval"])["tasks"]["forgeline_ifeval"].config.generation_kwargs
     assert ours == theirs["generation_kwargs"] and ours["max_gen_toks"] == 1280
+
+
+def test_a_reply_whose_language_is_undetectable_is_a_short_warning_not_a_page_long_error(
+        task_manager: TaskManager, caplog: pytest.LogCaptureFixture) -> None:
+    from lm_eval.tasks import get_task_dict
+
+    get_task_dict(["forgeline_ifeval"], task_manager)  # imports the task's hook
+    from lm_eval.tasks.ifeval.instructions import ResponseLanguageChecker
+
+    checker = ResponseLanguageChecker("any")
+    checker.build_description(language="en")
+    with caplog.at_level(logging.INFO):
+        assert checker.check_following("1.1.1: " * 300)  # IFEval counts it as followed
+    [record] = [r for r in caplog.records if r.name == "lm_eval.tasks.ifeval.instructions"]
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith("IFEval could not detect the language of a reply ('1.1.1: 1.1.1:")
+    assert len(record.getMessage()) < 250
