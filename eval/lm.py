@@ -9,8 +9,9 @@ Loads a checkpoint of any parallel layout, an inference bundle or a Hugging Face
 directory into one process. Scoring packs several requests into each row of a batch, kept apart
 by the attention mask, so the model computes real tokens instead of padding; a context shared by
 several requests (the choices of a multiple-choice item) is computed once, their continuations
-branching off its end. Generation is batched with a KV cache. On the CPU the linear layers run
-on weights packed once for oneDNN (model/inference.py, pack_linears).
+branching off its end. Generation is batched with a KV cache, a request that ends giving its row
+to the next (continuous batching). On the CPU the linear layers run on weights packed once for
+oneDNN (model/inference.py, pack_linears).
 
 Three settings besides the weights decide a score: the tokenizer -- its end-of-text token is the
 token a document's first window is predicted from (lm-eval's prefix token) -- `max_length`, the
