@@ -203,16 +203,25 @@ def read_prompts(path: Path) -> list[dict]:
 
 def generate_file(talker: Talker, settings: Sampling, records: list[dict], out: TextIO,
                   batch_size: int) -> None:
-    """Each record with its `output`, as a JSON line, a batch of records decoded together."""
-    for start in range(0, len(records), batch_size):
-        batch = records[start:start + batch_size]
-        prompts = [talker.encode(render_chat(talker.tokenizer, record["messages"]) if record.get("messages")
-                                 else record["prompt"]) for record in batch]
-        new: list[list[int]] = [[] for _ in batch]
-        for row, token in stream_batch(talker.model, prompts, settings.max_new_tokens, settings.temperature,
-                                       settings.top_p, talker.stop_tokens, generator=settings.generator):
-            new[row].append(token)
-        for record, tokens in zip(batch, new, strict=True):
-            output = talker.tokenizer.decode(tokens, skip_special_tokens=True)
-            out.write(json.dumps(record | {"output": output}, ensure_ascii=False) + "\n")
+    """Each record with its `output`, as a JSON line, in the records' order: `batch_size` rows
+    decode at once, a record whose reply ends giving its row to the next (continuous batching);
+    a record is written as soon as it and every record before it are done."""
+    prompts = [talker.encode(render_chat(talker.tokenizer, record["messages"]) if record.get("messages")
+                             else record["prompt"]) for record in records]
+    new: list[list[int]] = [[] for _ in records]
+    done = [False] * len(records)
+    written = 0
+
+    def write_ready(row: int) -> None:
+        nonlocal written
+        done[row] = True
+        while written < len(records) and done[written]:
+            output = talker.tokenizer.decode(new[written], skip_special_tokens=True)
+            out.write(json.dumps(records[written] | {"output": output}, ensure_ascii=False) + "\n")
+            written += 1
         out.flush()
+
+    for row, token in stream_batch(talker.model, prompts, settings.max_new_tokens, settings.temperature,
+                                   settings.top_p, talker.stop_tokens, generator=settings.generator,
+                                   batch_size=batch_size, ended=write_ready):
+        new[row].append(token)

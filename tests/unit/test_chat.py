@@ -5,6 +5,7 @@ sampling settings and seed; a conversation resets; prompts files are read as doc
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,16 @@ from transformers import PreTrainedTokenizerFast
 
 from forgeline.configs import ConfigError
 from forgeline.eval.chat import end_of_turn_id, render_chat
-from forgeline.flows.chat import Conversation, Talker, chat, read_prompts, sampling, stream_text
-from forgeline.model.inference import generate_batch, sample_next
+from forgeline.flows.chat import (
+    Conversation,
+    Talker,
+    chat,
+    generate_file,
+    read_prompts,
+    sampling,
+    stream_text,
+)
+from forgeline.model.inference import generate_batch, sample_next, stream_batch
 from tests.chat import random_model, save_chat_tokenizer
 
 TALK = [{"role": "user", "content": "Write a poem about the sea."}]
@@ -127,3 +136,18 @@ def test_prompts_files_are_lines_or_json_lines(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"text": "ROMEO:"}\n')
     with pytest.raises(ConfigError, match="bad.jsonl:1: each line needs a `prompt`"):
         read_prompts(tmp_path / "bad.jsonl")
+
+
+def test_a_prompts_file_is_answered_in_its_order_with_rows_handed_on(talker: Talker) -> None:
+    """Two rows for three records: each record's output is its own greedy reply, in the file's order."""
+    records = [{"prompt": "Write a poem"}, {"messages": TALK}, {"prompt": "The sea"}]
+    out = io.StringIO()
+    generate_file(talker, greedy(talker), records, out, batch_size=2)
+    prompts = [talker.encode("Write a poem"), talker.encode(render_chat(talker.tokenizer, TALK)),
+               talker.encode("The sea")]
+    alone = [[token for _, token in stream_batch(talker.model, [prompt], 12, stop_tokens=talker.stop_tokens)]
+             for prompt in prompts]
+    replies = [talker.tokenizer.decode(tokens, skip_special_tokens=True) for tokens in alone]
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [line.pop("output") for line in lines] == replies
+    assert lines == records
