@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from lm_eval.api.instance import Instance
 
 from forgeline.configs.schema import LayoutError
 from forgeline.eval.lm import ForgelineLM
@@ -24,6 +23,7 @@ from forgeline.tasks import compare
 from forgeline.tasks.evaluate import EvaluatedItems, preflight_eval
 from forgeline.tasks.train.job import preflight_train, rank_config_yaml
 from tests.conftest import debug_config, random_lm
+from tests.unit.test_eval_lm import request
 
 native_bf16 = pytest.mark.skipif(not cpu_has_native_bf16(),
                                  reason="precision=bf16 is refused on a CPU without native bf16")
@@ -37,10 +37,6 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def fp32(data_root: Path, bundle: Path) -> ForgelineLM:
     return random_lm(data_root / "data" / "tokenizer", bundle, max_seq_len=48, batch_size=4)
-
-
-def request(kind: str, *args) -> Instance:
-    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
 
 
 @native_bf16
