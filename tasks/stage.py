@@ -182,13 +182,15 @@ class Stage:
     continues: str | None = None
     """(cfg) -> run id | None: the MLflow run of its stopped work that this run goes on with (a
     training resumed from a checkpoint): reopened, not a new run (tasks/tracking.py tracked_run)."""
-    pipeline: Literal["every", "pretraining", "fine-tuning"] = "every"
-    """The pipelines it is part of: a config with an `sft` section fine-tunes (data -> sft -> eval
-    -> register), any other pretrains (data -> train -> eval -> register)."""
+    pipeline: Literal["every", "pretraining", "sft", "preference"] = "every"
+    """The pipelines it is part of, by the config's objective (Config.objective): a config with
+    an `sft` section fine-tunes (data -> sft -> eval -> register), one with a `preference` section
+    tunes preferences (data -> preference -> eval -> register), any other pretrains (data -> train
+    -> eval -> register)."""
 
     def runs_for(self, cfg: Config) -> bool:
         """Whether it is a stage of `cfg`'s pipeline."""
-        return self.pipeline == "every" or (self.pipeline == "fine-tuning") == (cfg.sft is not None)
+        return self.pipeline in ("every", cfg.objective)
 
     def out_dir(self, cfg: Config) -> Path:
         return Path(cfg.value(self.output))
@@ -269,7 +271,17 @@ SFT = dataclasses.replace(
     summary="supervised fine-tuning: the train stage's trainer on the data stage's rendered "
             "conversations, the loss on assistant tokens only (LoRA adapters or every weight)",
     sections=(*TRAIN.sections, "sft"),
-    pipeline="fine-tuning",
+    pipeline="sft",
+)
+# The same trainer on the data stage's rendered preference pairs, against the model it starts from.
+PREFERENCE = dataclasses.replace(
+    TRAIN,
+    name="preference",
+    summary="preference tuning (DPO or SimPO): the train stage's trainer on the data stage's rendered pairs "
+            "of replies, the loss on each completion's tokens only, against the reference log-probabilities "
+            "of the model it starts from",
+    sections=(*TRAIN.sections, "preference"),
+    pipeline="preference",
 )
 
 STAGES = (
@@ -301,6 +313,7 @@ STAGES = (
     ),
     TRAIN,
     SFT,
+    PREFERENCE,
     Stage(
         name="eval",
         summary="lm-eval with the `forgeline` model class on the offline suite, scored per capability "
@@ -373,7 +386,9 @@ def check_in_pipeline(stage: Stage, cfg: Config) -> None:
     pretraining one)."""
     if not stage.runs_for(cfg):
         instead = producer(stage.name, cfg)
-        why = "fine-tunes (it has an `sft` section)" if cfg.sft is not None else "has no `sft` section"
+        why = {"sft": "fine-tunes (it has an `sft` section)",
+               "preference": "tunes preferences (it has a `preference` section)",
+               "pretraining": "has no `sft` section (nor `preference`)"}[cfg.objective]
         pipeline = " -> ".join(s.name for s in pipeline_stages(cfg))
         raise ValueError(f"the config {why}: its pipeline is {pipeline}; run "
                          f"`forgeline stage {instead.name}` instead of {stage.name}")

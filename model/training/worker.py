@@ -83,7 +83,7 @@ def build_model_parts(cfg: Config, shape: ModelConfig, mesh: DeviceMesh, device:
     materialize -> initialize (values depend only on the seed, not on the layout). A run from a
     base leaves the weights to the load that follows (a checkpoint, or the base). With
     sft.lora, adapters join on meta and are initialized here; the base's load leaves them."""
-    lora = cfg.sft.lora if cfg.sft else None
+    lora = cfg.fine_tuning.lora if cfg.fine_tuning else None
     with torch.device("meta"):
         model = Transformer(shape)
     if lora:
@@ -188,7 +188,8 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
         load_base(train_step.parts, base, shape)
 
     tokens_per_step = cfg.train.global_batch_size * manifest["seq_len"]
-    flops_per_token = shape.flops_per_token(manifest["seq_len"], frozen=bool(cfg.sft and cfg.sft.lora))
+    flops_per_token = shape.flops_per_token(manifest["seq_len"],
+                                            frozen=bool(cfg.fine_tuning and cfg.fine_tuning.lora))
     metrics = MetricsLogger(run_id, rank, cfg.train.log_every, cfg.train.steps,
                             flops_per_step=flops_per_token * tokens_per_step,
                             peak_flops=total_peak_flops(cfg, device), device=device)
@@ -208,8 +209,8 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
         meta["mlflow_run_id"] = run_id
     if base:  # where the run's weights came from: the manifest of every checkpoint records it
         meta["base"] = base
-    if cfg.sft and cfg.sft.lora:  # what readers of the checkpoint merge (model/inference.py)
-        meta["lora"] = cfg.sft.lora.model_dump(mode="json")
+    if cfg.fine_tuning and cfg.fine_tuning.lora:  # what readers of the checkpoint merge (model/inference.py)
+        meta["lora"] = cfg.fine_tuning.lora.model_dump(mode="json")
     # Before the metrics: the validation figures join the step's metrics.
     validation = [
         ValidationCallback.from_data(cfg.train, data_dir, manifest, loader, train_step.dp_group, device),

@@ -162,10 +162,10 @@ def preflight_train(cfg: Config) -> None:
     architecture forgeline represents, its shape agreeing with the config and fitting the layout."""
     check_run_directory(cfg)
     preflight_precision(cfg)
-    if cfg.sft is not None and cfg.sft.lora is not None and not cfg.model.init_from:
-        raise ConfigError("sft.lora trains adapters on a base's frozen weights, but model.init_from is "
-                          "unset: the weights would stay random. Set model.init_from, or unset sft.lora "
-                          "to fine-tune every weight")
+    if cfg.fine_tuning is not None and cfg.fine_tuning.lora is not None and not cfg.model.init_from:
+        raise ConfigError(f"{cfg.objective}.lora trains adapters on a base's frozen weights, but "
+                          "model.init_from is unset: the weights would stay random. Set model.init_from, "
+                          f"or unset {cfg.objective}.lora to fine-tune every weight")
     if cfg.model.init_from:
         with_base(cfg, resolve_base(cfg))
 
@@ -351,8 +351,9 @@ def rank_config_yaml(cfg: Config) -> str:
     concerns training -- not the rest, which is no input of the stage (the parent run keeps the
     whole config), so that a rerun of a stage after this one does not change this stage's output.
     Python mode, not JSON: YAML keeps what JSON cannot (a NaN in a callback argument, say)."""
-    sft = {"sft"} if cfg.sft is not None else set()  # a pretraining run's config stays as it was
-    read = cfg.model_dump(include={"run", "data", "model", "parallel", "train", "checkpoint", *sft})
+    # A pretraining run's config stays as it was.
+    objective = {cfg.objective} if cfg.fine_tuning is not None else set()
+    read = cfg.model_dump(include={"run", "data", "model", "parallel", "train", "checkpoint", *objective})
     read["eval"] = cfg.eval.model_dump(include={"during_training", "batch_size"})
     if asked := in_training_settings(cfg):
         read["eval"]["dimensions"] = asked

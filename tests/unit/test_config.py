@@ -4,7 +4,15 @@ import pytest
 
 from forgeline.configs import Config, ConfigError, load_config, shipped_configs
 from forgeline.configs.loader import config_docs
-from forgeline.configs.schema import CleaningConfig, LoraConfig, Section, SFTConfig, SourceConfig
+from forgeline.configs.schema import (
+    CleaningConfig,
+    LoraConfig,
+    PairsConfig,
+    PreferenceConfig,
+    Section,
+    SFTConfig,
+    SourceConfig,
+)
 
 
 @pytest.mark.parametrize("path", shipped_configs(), ids=lambda p: p.name)
@@ -19,9 +27,10 @@ def test_default_is_the_embedded_tiny_config() -> None:
 
 
 def test_every_field_is_documented() -> None:
+    optional = ("sft", "preference", "pairs")  # SFTConfig | None and the like: below
     sections = [Config] + [Config.model_fields[name].annotation for name in Config.model_fields
-                           if name != "sft"]  # SFTConfig | None: below
-    sections += [SourceConfig, CleaningConfig, SFTConfig, LoraConfig]
+                           if name not in optional]
+    sections += [SourceConfig, CleaningConfig, SFTConfig, LoraConfig, PreferenceConfig, PairsConfig]
     for section in sections:
         assert issubclass(section, Section)
         for name, field in section.model_fields.items():

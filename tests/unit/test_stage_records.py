@@ -168,6 +168,18 @@ def test_a_config_with_an_sft_section_fine_tunes_in_place_of_training(tmp_path: 
     assert stage_named("sft").code_hash() == stage_named("train").code_hash()  # one trainer
 
 
+def test_a_config_with_a_preference_section_tunes_preferences_in_place_of_training(tmp_path: Path) -> None:
+    pairs = f"{{kind: files, path: {tmp_path}/pairs.jsonl, format: preference}}"
+    prefers = debug_config(tmp_path, "preference.beta=0.1", "model.init_from=base-dir",
+                           f"data.sources=[{pairs}]")
+    assert prefers.objective == "preference"
+    assert [stage.name for stage in pipeline_stages(prefers)] == ["data", "preference", "eval", "register"]
+    assert producer("train", prefers) is stage_named("preference")
+    with pytest.raises(ValueError, match=r"preferences .* `forgeline stage preference` instead of sft"):
+        check_in_pipeline(stage_named("sft"), prefers)
+    assert stage_named("preference").code_hash() == stage_named("train").code_hash()  # one trainer
+
+
 def test_a_fine_tuning_configs_dvc_yaml_has_sft_in_place_of_train(capsys: pytest.CaptureFixture) -> None:
     assert main(["stages", "--dvc", "configs/smollm2-sft.yaml"]) == 0
     stages = yaml.safe_load(capsys.readouterr().out)["stages"]
