@@ -8,6 +8,7 @@ import faulthandler
 import importlib
 import json
 import logging
+import math
 import os
 import signal
 import statistics
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
@@ -86,12 +88,13 @@ class ValidationCallback(Callback):
 
     @classmethod
     def from_data(cls, cfg: TrainConfig, data_dir: Path, manifest: dict, loader: ShardedSampleLoader,
-                  dp_group: dist.ProcessGroup, device: torch.device) -> ValidationCallback:
+                  dp_group: dist.ProcessGroup, device: torch.device,
+                  reference: np.ndarray | None = None) -> ValidationCallback:
         """The validation set of the data stage's output, its batches cut as the training
-        `loader` cuts its own. Collective: the byte count is summed over the data-parallel
-        ranks."""
+        `loader` cuts its own (preference pairs with their `reference` log-probabilities).
+        Collective: the byte count is summed over the data-parallel ranks."""
         num_batches = num_validation_batches(manifest, loader.global_batch_size, cfg.val_batches)
-        batches = validation_batches(split_shards(data_dir, manifest, "val"), num_batches, loader)
+        batches = validation_batches(split_shards(data_dir, manifest, "val"), num_batches, loader, reference)
         lengths = torch.from_numpy(token_byte_lengths(data_dir / manifest["tokenizer"]["dir"]))
         # Of masked targets (fine-tuning: the answers), only they count: the loss is theirs.
         masks = [target_mask(batch) for batch in batches]
@@ -114,13 +117,18 @@ class ValidationCallback(Callback):
         cuda = [trainer.device] if trainer.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda, device_type=trainer.device.type):
             loss = trainer.train_step.validation_loss(self.batches)
-        state.val_last = ValResult(state.step, loss, bits_per_byte(loss, self.tokens, self.text_bytes))
+            objective = trainer.train_step.objective_metrics()  # preference tuning's rewards
+        # Bits per byte of the text are the next-token loss's; a preference loss is not one.
+        bpb = bits_per_byte(loss, self.tokens, self.text_bytes) if not objective else math.nan
+        state.val_last = ValResult(state.step, loss, bpb)
         if state.val_best is None or loss < state.val_best.loss:
             state.val_best = state.val_last
-        metrics.update({"val/loss": loss, "val/bpb": state.val_last.bpb})
-        log.info("validation at step %d in %.2f s: val/loss %.4f, val/bpb %.4f; best %.4f at step %d",
-                 state.step, time.perf_counter() - started, loss, state.val_last.bpb, state.val_best.loss,
-                 state.val_best.step)
+        metrics.update({"val/loss": loss, **({f"val/{name}": value for name, value in objective.items()}
+                                             if objective else {"val/bpb": bpb})})
+        log.info("validation at step %d in %.2f s: val/loss %.4f, %s; best %.4f at step %d", state.step,
+                 time.perf_counter() - started, loss,
+                 f"val/rewards/accuracies {objective['rewards/accuracies']:.4f}" if objective
+                 else f"val/bpb {bpb:.4f}", state.val_best.loss, state.val_best.step)
 
 
 @dataclass

@@ -12,6 +12,10 @@ yields a DocumentBatch: the tokens and the document each token belongs to, for d
 (`train.document_masking`, resolved by `Config.masks_documents`). Shards of conversations carry
 loss masks (shards.py MASK_FIELD, `ShardInfo.loss_masks` from the manifest): then every batch is
 a DocumentBatch with its `loss_mask` (without `document_starts`, all of a row is one document).
+Shards of preference pairs (`ShardInfo.pairs`) carry in their masks which reply of a pair each
+trained token is (preference.py); the batch keeps them as `sides`, with the reference model's
+log-probabilities of its targets (`reference`: one array per split, by sample, computed before
+training) where the loader is given them.
 
 Validation (`train.val_every`) reads the validation split with the same loader under a fixed
 seed: its first `train.val_batches` global batches, the same for every run and layout.
@@ -20,6 +24,7 @@ seed: its first `train.val_batches` global batches, the same for every run and l
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +44,39 @@ from forgeline.model.training.shards import (
     verify_shard,
 )
 
-# A shard's (or sample's) tokens, and its documents and loss masks, or None where not read.
-Rows = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
+
+@dataclass(frozen=True)
+class Row:
+    """One sample: its tokens, documents and loss mask (None where not read), and its number in
+    its split (the order of the manifest's shards and of the samples in each)."""
+
+    tokens: np.ndarray
+    documents: np.ndarray | None
+    mask: np.ndarray | None
+    sample_id: int
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A shard's samples, as Row's fields stacked."""
+
+    tokens: np.ndarray
+    documents: np.ndarray | None
+    masks: np.ndarray | None
+    sample_ids: np.ndarray
+
+    def ordered(self, order: np.ndarray) -> Rows:
+        def picked(array: np.ndarray | None) -> np.ndarray | None:
+            return array[order] if array is not None else None
+
+        return Rows(self.tokens[order], picked(self.documents), picked(self.masks), self.sample_ids[order])
+
+    def row(self, offset: int) -> Row:
+        return Row(self.tokens[offset], None if self.documents is None else self.documents[offset],
+                   None if self.masks is None else self.masks[offset], int(self.sample_ids[offset]))
+
+    def each(self) -> Iterator[Row]:
+        return (self.row(offset) for offset in range(len(self.tokens)))
 
 
 @dataclass
@@ -52,20 +88,36 @@ class DocumentBatch:
     tokens: torch.Tensor  # (B, T + 1) int64
     documents: torch.Tensor  # (B, T + 1) int32, non-decreasing along T
     loss_mask: torch.Tensor | None = None  # (B, T + 1) bool: the tokens that are loss targets (SFT)
+    sides: torch.Tensor | None = None  # (B, T + 1) uint8: preference pairs' CHOSEN or REJECTED, 0 elsewhere
+    reference: torch.Tensor | None = None  # (B, T) float32: the reference's log-probability of each target
 
     def to(self, device: torch.device | str) -> DocumentBatch:
-        mask = self.loss_mask.to(device) if self.loss_mask is not None else None
-        return DocumentBatch(self.tokens.to(device), self.documents.to(device), mask)
+        def moved(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return tensor.to(device) if tensor is not None else None
+
+        return DocumentBatch(self.tokens.to(device), self.documents.to(device), moved(self.loss_mask),
+                             moved(self.sides), moved(self.reference))
+
+    def rows(self, index: slice | torch.Tensor) -> DocumentBatch:
+        """The batch of these rows."""
+        def picked(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return tensor[index] if tensor is not None else None
+
+        return DocumentBatch(self.tokens[index], self.documents[index], picked(self.loss_mask),
+                             picked(self.sides), picked(self.reference))
 
 
 class ShardedSampleLoader:
     """Deterministic, resumable batches of packed samples for one data-parallel rank."""
 
     def __init__(self, shards: list[ShardInfo], local_batch_size: int, dp_rank: int,
-                 dp_size: int, seed: int, document_starts: bool = False):
+                 dp_size: int, seed: int, document_starts: bool = False, reference: np.ndarray | None = None):
         self.shards = shards
         self.document_starts = document_starts
         self.loss_masks = any(shard.loss_masks for shard in shards)
+        self.pairs = any(shard.pairs for shard in shards)
+        self.reference = reference  # (samples of the split, T) float32, by the split's sample order
+        self.first_ids = np.concatenate([[0], np.cumsum([shard.samples for shard in shards])])[:-1]
         self.local_batch_size = local_batch_size
         self.global_batch_size = local_batch_size * dp_size
         self.dp_rank = dp_rank
@@ -108,13 +160,22 @@ class ShardedSampleLoader:
         start = self.position + self.dp_rank * self.local_batch_size
         rows = [self._sample(start + i) for i in range(self.local_batch_size)]
         self.position += self.global_batch_size
-        tokens = torch.from_numpy(np.stack([tokens for tokens, _, _ in rows]).astype(np.int64))
+        return self.batch_of(rows)
+
+    def batch_of(self, rows: list[Row]) -> torch.Tensor | DocumentBatch:
+        """Samples as a (B, T + 1) batch, or a DocumentBatch of them with their documents, masks,
+        sides and reference log-probabilities where the loader has them."""
+        tokens = torch.from_numpy(np.stack([row.tokens for row in rows]).astype(np.int64))
         if not self.document_starts and not self.loss_masks:
             return tokens
-        documents = (torch.from_numpy(np.stack([documents for _, documents, _ in rows]))
+        documents = (torch.from_numpy(np.stack([row.documents for row in rows]))
                      if self.document_starts else torch.zeros(tokens.shape, dtype=torch.int32))
-        mask = torch.from_numpy(np.stack([mask for _, _, mask in rows])).bool() if self.loss_masks else None
-        return DocumentBatch(tokens, documents, mask)
+        masks = torch.from_numpy(np.stack([row.mask for row in rows])) if self.loss_masks else None
+        sides = masks if self.pairs else None
+        reference = None
+        if self.reference is not None:
+            reference = torch.from_numpy(np.stack([self.reference[row.sample_id] for row in rows]))
+        return DocumentBatch(tokens, documents, masks.bool() if masks is not None else None, sides, reference)
 
     def _epoch_order(self) -> tuple[np.ndarray, np.ndarray]:
         if self._order is None:
@@ -129,7 +190,7 @@ class ShardedSampleLoader:
             future.cancel()
         self._order, self._current, self._pending = None, None, {}
 
-    def _sample(self, index: int) -> Rows:
+    def _sample(self, index: int) -> Row:
         shard_order, cumulative = self._epoch_order()
         slot = bisect.bisect_right(cumulative, index)
         offset = index - (cumulative[slot - 1] if slot else 0)
@@ -138,9 +199,7 @@ class ShardedSampleLoader:
             self._pending.pop(slot)
             if slot + 1 < len(shard_order):
                 self._open(slot + 1)  # the next shard loads while this one is consumed
-        tokens, documents, masks = self._current[1]
-        return (tokens[offset], None if documents is None else documents[offset],
-                None if masks is None else masks[offset])
+        return self._current[1].row(offset)
 
     def _open(self, slot: int) -> Future[Rows]:
         if slot not in self._pending:
@@ -152,29 +211,44 @@ class ShardedSampleLoader:
         if shard_id not in self._verified:
             verify_shard(self.shards[shard_id])
             self._verified.add(shard_id)
-        tokens, documents, masks = self._read(self.shards[shard_id])
-        order = np.random.default_rng([self.seed, epoch, shard_id]).permutation(len(tokens))
-        return (tokens[order], None if documents is None else documents[order],
-                None if masks is None else masks[order])
+        rows = self.read(shard_id)
+        return rows.ordered(np.random.default_rng([self.seed, epoch, shard_id]).permutation(len(rows.tokens)))
 
-    def _read(self, shard: ShardInfo) -> Rows:
-        """The shard's (samples, seq_len + 1) tokens; with `document_starts`, each token's
-        document index: 1 at every document start, summed along the sample; with loss masks,
-        the samples' masks."""
+    def read(self, shard_id: int) -> Rows:
+        """The samples of shard `shard_id`, in its order: their (samples, seq_len + 1) tokens;
+        with `document_starts`, each token's document index (1 at every document start, summed
+        along the sample); with loss masks, the samples' masks; and their numbers in the split."""
+        shard = self.shards[shard_id]
+        ids = self.first_ids[shard_id] + np.arange(shard.samples)
         if not self.document_starts and not self.loss_masks:
-            return read_shard(shard), None, None
+            return Rows(read_shard(shard), None, None, ids)
         samples = list(iter_shard(shard))
         if len(samples) != shard.samples:
             raise DataError(f"shard {shard.path} has {len(samples)} samples, manifest says {shard.samples}")
         tokens = np.stack([sample[SAMPLE_FIELD] for sample in samples])
         masks = np.stack([sample[MASK_FIELD] for sample in samples]) if self.loss_masks else None
         if not self.document_starts:
-            return tokens, None, masks
+            return Rows(tokens, None, masks, ids)
         starts = [sample[STARTS_FIELD] for sample in samples]
         documents = np.zeros(tokens.shape, np.int32)
         rows = np.repeat(np.arange(len(starts)), [len(s) for s in starts])
         documents[rows, np.concatenate(starts).astype(np.int64)] = 1
-        return tokens, np.cumsum(documents, axis=1, dtype=np.int32), masks
+        return Rows(tokens, np.cumsum(documents, axis=1, dtype=np.int32), masks, ids)
+
+    def every_sample(self) -> Iterator[tuple[np.ndarray, torch.Tensor | DocumentBatch]]:
+        """Every sample of the split once, in its order, as this rank's slices of global batches
+        (the last one filled up with the split's first samples): (the numbers of this slice's
+        samples, -1 for those filling up; the slice). What the reference log-probabilities are
+        computed over."""
+        rows = [row for shard_id in range(len(self.shards)) for row in self.read(shard_id).each()]
+        size, mine = self.global_batch_size, slice(self.dp_rank * self.local_batch_size,
+                                                   (self.dp_rank + 1) * self.local_batch_size)
+        for start in range(0, len(rows), size):
+            positions = list(range(start, start + size))[mine]
+            batch = [rows[position % len(rows)] for position in positions]
+            ids = [row.sample_id if position < len(rows) else -1 for row, position in zip(batch, positions,
+                                                                                           strict=True)]
+            yield np.array(ids), self.batch_of(batch)
 
 
 VAL_SEED = 0  # the order validation batches are read in: the same for every run and layout
@@ -194,13 +268,13 @@ def num_validation_batches(manifest: dict, global_batch_size: int, val_batches: 
 
 
 def validation_batches(shards: list[ShardInfo], num_batches: int, like: ShardedSampleLoader,
-                       ) -> list[torch.Tensor | DocumentBatch]:
+                       reference: np.ndarray | None = None) -> list[torch.Tensor | DocumentBatch]:
     """This rank's slices of the first `num_batches` global batches of the validation split,
     cut and shaped as the training loader `like` cuts its own, in the order of epoch 0 under
-    VAL_SEED."""
+    VAL_SEED (with the split's `reference` log-probabilities, for preference pairs)."""
     loader = ShardedSampleLoader(shards, like.local_batch_size, like.dp_rank,
                                  like.global_batch_size // like.local_batch_size, VAL_SEED,
-                                 like.document_starts)
+                                 like.document_starts, reference)
     return [loader.next_batch() for _ in range(num_batches)]
 
 

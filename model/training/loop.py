@@ -110,7 +110,7 @@ class Trainer:
             self.state.tokens_seen += self.tokens_per_step
             metrics = {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                        "tokens_per_s": self.tokens_per_step / step_time, "step_time_s": step_time,
-                       "data_wait_s": data_wait, "skipped": float(result.skipped)}
+                       "data_wait_s": data_wait, "skipped": float(result.skipped), **result.metrics}
             if self.train_step.scaler is not None:
                 metrics["loss_scale"] = self.train_step.scaler.scale
             for callback in self.callbacks:

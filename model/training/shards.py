@@ -33,6 +33,7 @@ SAMPLE_FIELD = "tokens.npy"
 STARTS_FIELD = "starts.npy"
 MASK_FIELD = "mask.npy"
 LOSS_MASKS = "loss_masks"  # the manifest's key: true when every sample carries MASK_FIELD
+PREFERENCE = "preference"  # the manifest's key: true when the samples are preference pairs
 FORMAT_VERSION = "forgeline-shards/2"
 
 
@@ -46,6 +47,7 @@ class ShardInfo:
     samples: int
     sha256: str
     loss_masks: bool = False  # its samples carry MASK_FIELD
+    pairs: bool = False  # they are preference pairs: MASK_FIELD says which reply of a pair a token is
 
 
 def read_manifest(data_dir: str | Path) -> dict:
@@ -65,9 +67,9 @@ def read_manifest(data_dir: str | Path) -> dict:
 
 
 def split_shards(data_dir: str | Path, manifest: dict, split: str) -> list[ShardInfo]:
-    masks = bool(manifest.get(LOSS_MASKS, False))
+    masks, pairs = bool(manifest.get(LOSS_MASKS, False)), bool(manifest.get(PREFERENCE, False))
     return [
-        ShardInfo(Path(data_dir) / s["path"], s["samples"], s["sha256"], masks)
+        ShardInfo(Path(data_dir) / s["path"], s["samples"], s["sha256"], masks, pairs)
         for s in manifest["splits"][split]["shards"]
     ]
 

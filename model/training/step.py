@@ -11,7 +11,9 @@ pipeline stage -- also take the document of each input position. A DocumentBatch
 mask (supervised fine-tuning: assistant tokens only) trains on the masked targets alone, each
 weighing the same across the global batch: a step's loss is the sum of their token losses over
 their count in the whole global batch (every rank, micro-step and microbatch), not a mean of
-per-chunk means, which would weigh a token of a short answer more than one of a long answer."""
+per-chunk means, which would weigh a token of a short answer more than one of a long answer.
+A DocumentBatch of preference pairs (its `sides`) trains on the preference objective
+(preference.py) instead, each pair weighing the same across the global batch."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from forgeline.model.parallel.tied import TiedEmbeddingCopies
 from forgeline.model.training.amp import DynamicLossScaler
 from forgeline.model.training.loader import DocumentBatch
 from forgeline.model.training.optim import clip_coefficient, clip_grad_norm_
+from forgeline.model.training.preference import PreferenceObjective, counted, pair_count, preference_targets
 
 V_SCHEDULE_CLASSES = tuple(get_schedule_class(name) for name in sorted(V_SCHEDULES))
 ACTIVATION_DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # what stages pass on
@@ -43,10 +46,11 @@ IGNORED = -100  # a target outside the loss mask (cross_entropy's ignore_index)
 
 @dataclass
 class StepResult:
-    loss: float  # mean cross-entropy over the global batch
+    loss: float  # mean cross-entropy over the global batch (the preference loss over its pairs)
     grad_norm: float
     skipped: bool  # no update was applied (fp16 overflow, or non-finite)
     nonfinite: bool  # the loss or the gradient was inf/NaN -- not an fp16 overflow
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's own (preference: TRL's)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -87,49 +91,65 @@ class TokenCrossEntropy(torch.autograd.Function):
 
 @dataclass
 class TokenWeight:
-    """The weight of one target token in a step's loss when targets are masked: the data-parallel
-    degree over the loss tokens of the global batch (FSDP averages gradients over the
-    data-parallel ranks, so each rank's sum is scaled up by their number). None: unmasked, each
-    chunk's mean counts."""
+    """The weight of one target token in a step's loss when targets are masked -- of one pair,
+    for preference pairs: the data-parallel degree over the loss tokens (pairs) of the global
+    batch (FSDP averages gradients over the data-parallel ranks, so each rank's sum is scaled up
+    by their number). None: unmasked, each chunk's mean counts."""
 
     per_token: float | None = None
+    units: int = 0  # the loss tokens (pairs) of the global batch it was set for
 
 
 def micro_steps(batch: Batch, n: int) -> list[Batch]:
     """The batch cut into `n` micro-steps along the batch dimension."""
+    size = -(-len(batch.tokens if isinstance(batch, DocumentBatch) else batch) // n)  # as Tensor.chunk cuts
     if isinstance(batch, DocumentBatch):
-        masks = batch.loss_mask.chunk(n) if batch.loss_mask is not None else (None,) * n
-        pieces = zip(batch.tokens.chunk(n), batch.documents.chunk(n), masks, strict=True)
-        return [DocumentBatch(tokens, documents, mask) for tokens, documents, mask in pieces]
+        return [batch.rows(slice(start, start + size)) for start in range(0, len(batch.tokens), size)]
     return list(batch.chunk(n))
 
 
 def model_inputs(micro: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The (B, T) inputs and targets of a micro-step, and the keyword arguments every model part
     takes with them: the (B, T) documents of the input positions under document masking.
-    Targets outside a loss mask are IGNORED."""
+    Targets outside a loss mask are IGNORED; those of preference pairs are (B, T, 4)
+    (preference.py preference_targets)."""
     if isinstance(micro, DocumentBatch):
+        kwargs = {"documents": micro.documents[:, :-1]}
+        if micro.sides is not None:
+            return micro.tokens[:, :-1], preference_targets(micro.tokens, micro.documents, micro.sides,
+                                                            micro.reference), kwargs
         targets = micro.tokens[:, 1:]
         if micro.loss_mask is not None:
             targets = targets.masked_fill(~micro.loss_mask[:, 1:], IGNORED)
-        return micro.tokens[:, :-1], targets, {"documents": micro.documents[:, :-1]}
+        return micro.tokens[:, :-1], targets, kwargs
     return micro[:, :-1], micro[:, 1:], {}
 
 
+def counted_positions(targets: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the positions whose targets count (not IGNORED; a reply's, of pairs)."""
+    return counted(targets) if targets.dim() == 3 else targets != IGNORED
+
+
 def loss_token_count(batches: list[Batch]) -> int:
-    """The masked targets of `batches` (0 when they carry no loss mask)."""
-    return sum(int(batch.loss_mask[:, 1:].sum()) for batch in batches
+    """The masked targets of `batches` -- their pairs, of preference pairs -- (0 when they carry no
+    loss mask)."""
+    return sum(pair_count(batch.tokens, batch.documents, batch.sides) if batch.sides is not None
+               else int(batch.loss_mask[:, 1:].sum()) for batch in batches
                if isinstance(batch, DocumentBatch) and batch.loss_mask is not None)
 
 
 def scaled_loss(logits: torch.Tensor, targets: torch.Tensor, parts_per_step: int,
-                scaler: DynamicLossScaler | None, weight: TokenWeight | None = None) -> torch.Tensor:
+                scaler: DynamicLossScaler | None, weight: TokenWeight | None = None,
+                objective: PreferenceObjective | None = None) -> torch.Tensor:
     """The loss whose backward adds this chunk's share to the step's gradients: the chunk's
     mean divided by the number of chunks in the step (gradients sum over them) -- or, with
-    masked targets, its token losses summed times their `weight` -- times the fp16 loss scale.
-    A chunk is a micro-step, or a pipeline microbatch of one (then parts_per_step =
-    grad_accum_steps * pp_microbatches; this is the schedule's loss_fn)."""
-    if weight is not None and weight.per_token is not None:
+    masked targets, its token losses summed times their `weight`; of preference pairs, the
+    `objective`'s pair losses summed times theirs -- times the fp16 loss scale. A chunk is a
+    micro-step, or a pipeline microbatch of one (then parts_per_step = grad_accum_steps *
+    pp_microbatches; this is the schedule's loss_fn)."""
+    if objective is not None and targets.dim() == 3:
+        loss = objective(logits, targets) * weight.per_token
+    elif weight is not None and weight.per_token is not None:
         loss = cross_entropy(logits, targets, reduction="sum") * weight.per_token
     else:
         loss = cross_entropy(logits, targets) / parts_per_step
@@ -156,6 +176,7 @@ class TrainStep:
     scaler: DynamicLossScaler | None = None  # fp16
     tied: TiedEmbeddingCopies | None = None  # tied embeddings split over pipeline stages
     weight: TokenWeight = field(default_factory=TokenWeight)  # shared with the schedule's loss_fn
+    objective: PreferenceObjective | None = None  # preference tuning's loss, shared with it too
 
     def __call__(self, batch: Batch) -> StepResult:
         """`batch`: this rank's (B, T + 1) token ids for the whole step (with their documents)."""
@@ -187,7 +208,16 @@ class TrainStep:
             scheduler.step()
         loss = self._global_mean(loss_sum)
         nonfinite = not overflow and not (math.isfinite(grad_norm) and math.isfinite(loss))
-        return StepResult(loss, grad_norm, skipped=not apply, nonfinite=nonfinite)
+        return StepResult(loss, grad_norm, skipped=not apply, nonfinite=nonfinite,
+                          metrics=self.objective_metrics())
+
+    def objective_metrics(self) -> dict[str, float]:
+        """The objective's metrics over the batches of the last step or validation (none but
+        the loss for next-token prediction)."""
+        if self.objective is None:
+            return {}
+        groups = [self.pp_group] if self.pp_group is not None else []
+        return self.objective.metrics(self.weight.units, self.device, [*groups, self.dp_group])
 
     def _clips_in_optimizer_step(self, params: list[nn.Parameter]) -> bool:
         """Whether clipping rides on the optimizer step: fused AdamW takes a divisor of every
@@ -219,6 +249,19 @@ class TrainStep:
         per_batch = 1 if self.weight.per_token is not None else len(batches)
         return self._global_mean(loss_sum / per_batch)
 
+    @torch.no_grad()
+    def target_log_probs(self, batch: DocumentBatch) -> torch.Tensor | None:
+        """(B, T) log-probabilities of this rank's batch's counted targets (0 elsewhere): the
+        forward of a validation, recorded by the objective (preference.py reference_log_probs). On
+        the last pipeline stage; None on the others."""
+        self.objective.recording = recorded = []
+        try:
+            self.validation_loss([batch])
+        finally:
+            self.objective.recording = None
+            self.objective.reset()
+        return torch.cat(recorded) if self.is_last_stage else None
+
     def _weigh_loss_tokens(self, batches: list[Batch]) -> None:
         """Sets the weight of a masked target for these batches: their loss tokens are counted
         over the data-parallel ranks (every rank holds its batch whole, pipeline stages too)."""
@@ -229,6 +272,7 @@ class TrainStep:
         dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.dp_group)
         # A batch without one loss token (every answer truncated away) adds nothing, not NaN.
         self.weight.per_token = self.dp_group.size() / count.item() if count.item() else 0.0
+        self.weight.units = int(count.item())
 
     def _forward_backward(self, micro: Batch, backward: bool = True) -> torch.Tensor:
         """The micro-step's share of the step's loss (unscaled) -- its mean over the number of
@@ -240,12 +284,13 @@ class TrainStep:
                 scaled = self._pipelined(inputs, targets, model_kwargs, backward)
             else:
                 if self._counted_logits_only():
-                    counted = targets != IGNORED  # (B, T)
-                    logits = self.parts[0](inputs, **model_kwargs, outputs=counted)[None]  # (1, N, V)
-                    targets = targets[counted][None]  # (1, N)
+                    wanted = counted_positions(targets)  # (B, T)
+                    logits = self.parts[0](inputs, **model_kwargs, outputs=wanted)[None]  # (1, N, V)
+                    targets = targets[wanted][None]  # (1, N), or (1, N, 4) of preference pairs
                 else:
                     logits = self.parts[0](inputs, **model_kwargs)  # (B, T, V)
-                scaled = scaled_loss(logits, targets, self.grad_accum_steps, self.scaler, self.weight)
+                scaled = scaled_loss(logits, targets, self.grad_accum_steps, self.scaler, self.weight,
+                                     self.objective)
                 if backward:
                     scaled.backward()
         if isinstance(scaled, DTensor):  # replicated loss of loss_parallel
@@ -257,7 +302,8 @@ class TrainStep:
         """Whether the model projects only the positions whose targets count: targets are masked
         (their token losses summed, so the others add nothing) and the output layer is not
         tensor-parallel (its input may be a share of the sequence)."""
-        if self.weight.per_token is None:
+        recording = self.objective is not None and self.objective.recording is not None
+        if self.weight.per_token is None or recording:  # a recording keeps the (B, T) positions
             return False
         weight = self.parts[0].output.weight
         return not (isinstance(weight, DTensor) and "tp" in (weight.device_mesh.mesh_dim_names or ()))
@@ -301,7 +347,7 @@ class TrainStep:
                 self._send_activations(h, owner[stage + 1])
         if last not in mine:
             return torch.zeros((), device=self.device)
-        return scaled_loss(h, targets, self.grad_accum_steps, self.scaler, self.weight)
+        return scaled_loss(h, targets, self.grad_accum_steps, self.scaler, self.weight, self.objective)
 
     def _send_activations(self, h: torch.Tensor, pp_rank: int) -> None:
         header = torch.tensor([*h.shape, ACTIVATION_DTYPES.index(h.dtype)], device=self.device)

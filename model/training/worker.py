@@ -63,6 +63,12 @@ from forgeline.model.training.metrics import MetricsLogger, measure_peak_flops
 from forgeline.model.training.optim import build_lr_scheduler, build_optimizer
 from forgeline.model.training.outputs import TrainOutputs
 from forgeline.model.training.preemption import PREEMPTED_EXIT_CODE, PreemptionCallback, PreemptionNotice
+from forgeline.model.training.preference import (
+    PreferenceObjective,
+    load_reference,
+    reference_dir,
+    reference_log_probs,
+)
 from forgeline.model.training.shards import MANIFEST_NAME, read_manifest, split_shards
 from forgeline.model.training.step import TrainStep, scaled_loss
 
@@ -131,6 +137,7 @@ def build_train_step(cfg: Config, mesh: DeviceMesh, dp_mesh: DeviceMesh, parts: 
     layout = cfg.parallel
     train_step = TrainStep(
         parts=modules, optimizers=optimizers,
+        objective=PreferenceObjective(cfg.preference) if cfg.preference else None,
         schedulers=[build_lr_scheduler(optimizer, cfg.train) for optimizer in optimizers],
         grad_accum_steps=cfg.train.grad_accum_steps, grad_clip=cfg.train.grad_clip, device=device,
         dp_group=dp_mesh.get_group(),
@@ -146,7 +153,8 @@ def build_train_step(cfg: Config, mesh: DeviceMesh, dp_mesh: DeviceMesh, parts: 
         train_step.schedule = build_schedule(
             parts, layout, mesh["pp"], device,
             loss_fn=lambda logits, targets: scaled_loss(logits, targets, cfg.train.grad_accum_steps
-                                                        * layout.pp_microbatches, scaler, train_step.weight),
+                                                        * layout.pp_microbatches, scaler, train_step.weight,
+                                                        train_step.objective),
         )
     return train_step
 
@@ -184,8 +192,18 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
     if report:  # an automatic restart of a run that already gave up: fail fast, same report
         raise TrainingUnstable(report)
     checkpoints = CheckpointManager(outputs.checkpoints, cfg.checkpoint, rank, world_size, fingerprint)
-    if checkpoints.load_latest(state) is None and base:  # a run that dies resumes from its own checkpoints
-        load_base(train_step.parts, base, shape)
+    reference, based = None, False
+    if cfg.preference and cfg.preference.loss != "simpo":  # SimPO has no reference
+        # The model it starts from, before any checkpoint of the run replaces its weights.
+        identity = {"data_manifest": data_manifest["sha256"], "base": base["weights_sha256"],
+                    "dtype": str(param_dtype), "model": shape.model_dump(mode="json")}
+        reference = reference_dir(data_dir, identity)
+        based = ensure_reference(cfg, train_step, mesh, loader, data_dir, manifest, reference, identity, base,
+                                 shape)
+    if checkpoints.load_latest(state) is None and base and not based:
+        load_base(train_step.parts, base, shape)  # a run that dies resumes from its own checkpoints
+    if reference:
+        loader.reference = load_reference(reference, "train")
 
     tokens_per_step = cfg.train.global_batch_size * manifest["seq_len"]
     flops_per_token = shape.flops_per_token(manifest["seq_len"],
@@ -213,7 +231,8 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
         meta["lora"] = cfg.fine_tuning.lora.model_dump(mode="json")
     # Before the metrics: the validation figures join the step's metrics.
     validation = [
-        ValidationCallback.from_data(cfg.train, data_dir, manifest, loader, train_step.dp_group, device),
+        ValidationCallback.from_data(cfg.train, data_dir, manifest, loader, train_step.dp_group, device,
+                                     load_reference(reference, "val") if reference else None),
     ] if cfg.train.val_every else []
     saves = CheckpointCallback(checkpoints, state, cfg.checkpoint.every_steps, meta)
     callbacks = [
@@ -240,6 +259,27 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
                       tokens_per_step=tokens_per_step, callbacks=callbacks)
     trainer.fit()
     return trainer.stopped_early
+
+
+def ensure_reference(cfg: Config, train_step: TrainStep, mesh: DeviceMesh, loader: ShardedSampleLoader,
+                     data_dir: Path, manifest: dict, directory: Path, identity: dict, base: dict,
+                     shape: ModelConfig) -> bool:
+    """Collective: the reference log-probabilities of the train and validation splits in
+    `directory`, computed by the model as it starts -- the base, its adapters (if any) at their
+    initialization, which adds nothing -- unless a run computed them before. Returns whether the
+    base's weights were loaded for it."""
+    if (directory / "reference.json").is_file():
+        return False
+    load_base(train_step.parts, base, shape)
+    loaders = {"train": loader}
+    if manifest["splits"].get("val", {}).get("samples"):
+        dp_size = loader.global_batch_size // loader.local_batch_size
+        loaders["val"] = ShardedSampleLoader(split_shards(data_dir, manifest, "val"), loader.local_batch_size,
+                                             loader.dp_rank, dp_size, loader.seed, loader.document_starts)
+    tp_rank = mesh["tp"].get_local_rank() if cfg.parallel.tp > 1 else 0
+    reference_log_probs(train_step.target_log_probs, loaders, directory, identity,
+                        train_step.is_last_stage and tp_rank == 0, train_step.device)
+    return True
 
 
 def total_peak_flops(cfg: Config, device: torch.device) -> float:

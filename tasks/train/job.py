@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -191,8 +192,9 @@ def record_training(cfg: Config, run: RunTracker, parent: RunTracker | None, res
     summary = {"train/final_loss": result.loss, "train/tokens_seen": result.tokens_seen,
                "train/worker_failures": len(result.failures)}
     if result.val_best:
-        summary |= {"train/best_val_loss": result.val_best["loss"],
-                    "train/best_val_bpb": result.val_best["bpb"]}
+        summary["train/best_val_loss"] = result.val_best["loss"]
+        if math.isfinite(result.val_best["bpb"]):  # none for a preference loss
+            summary["train/best_val_bpb"] = result.val_best["bpb"]
     run.log_metrics(summary, step=result.step)
     checkpoint = {"forgeline.checkpoint": str(Path(result.checkpoint).resolve()),
                   "forgeline.checkpoint_uri": checkpoint_uri(cfg, result.checkpoint)}

@@ -142,7 +142,8 @@ def test_the_callback_reports_the_last_and_keeps_the_best() -> None:
     losses = iter([3.0, 2.0, 2.5, 2.0])
     trainer = SimpleNamespace(
         state=TrainerState(schedulers=[], loader=None, scaler=None), total_steps=10,
-        device=torch.device("cpu"), train_step=SimpleNamespace(validation_loss=lambda batches: next(losses)))
+        device=torch.device("cpu"), train_step=SimpleNamespace(validation_loss=lambda batches: next(losses),
+                                                               objective_metrics=dict))
     callback = ValidationCallback(every=3, batches=[], tokens=1000, text_bytes=2000)
     reported = {}
     for step in range(1, 11):
