@@ -211,6 +211,7 @@ def cpo_batch(pairs: list, pad_id: int) -> dict[str, torch.Tensor]:
         labels = [[-100] * len(example["prompt_ids"]) + example[f"{side}_ids"] for example in examples]
         width = max(map(len, ids))
         batch[f"{side}_input_ids"] = torch.tensor([row + [pad_id] * (width - len(row)) for row in ids])
-        batch[f"{side}_attention_mask"] = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in ids])
+        batch[f"{side}_attention_mask"] = torch.tensor([[1] * len(row) + [0] * (width - len(row))
+                                                        for row in ids])
         batch[f"{side}_labels"] = torch.tensor([row + [-100] * (width - len(row)) for row in labels])
     return batch
