@@ -48,8 +48,11 @@ def test_a_clipped_step_divides_in_the_fused_adamw_as_clipping_first_would(proce
     norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
     optimizer.step()
     assert norm > 0.01 and result.grad_norm == pytest.approx(norm.item(), rel=1e-6)
+    # Adam's first update is lr * g / (|g| + eps): where a gradient is near eps, the one rounding
+    # by which g * (1 / c) and g / c differ moves the update by up to ~1e-5 of lr (1.2e-7 seen on
+    # one element of 512 on a loaded 2-core machine, where 1e-7 failed): the bound is 1e-4 of lr.
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
