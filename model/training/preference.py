@@ -168,13 +168,20 @@ class PairSums:
 @dataclass
 class PreferenceObjective:
     """The preference loss of `cfg` and the step's running sums of TRL's metrics. The loss of a
-    chunk is the sum of its pairs' losses (times each pair's weight, done by the caller)."""
+    chunk is the sum of its pairs' losses (times each pair's weight, done by the caller).
+
+    What a call computes besides its loss -- its metrics, or its recorded log-probabilities --
+    counts only once the caller `keep`s the loss it became: a pipeline schedule also calls the
+    loss function on placeholder activations to infer shapes before its first step, and drops
+    that loss (it is in no microbatch's place)."""
 
     cfg: PreferenceConfig
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)  # per metric: its sum over the pairs so far
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)  # per metric: its sum over the kept pairs
     recording: list[torch.Tensor] | None = None
     """While set (reference_log_probs), a chunk's per-target log-probabilities are recorded here,
     (b, T) each, instead of a loss."""
+    _unclaimed: dict[str, torch.Tensor] | torch.Tensor | None = None  # the last call's, until `claim`
+    _pending: list[tuple[torch.Tensor, dict[str, torch.Tensor] | torch.Tensor]] = field(default_factory=list)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The summed loss of the pairs of a chunk: (b, T, V) logits and (b, T, 4) targets, or only
@@ -191,7 +198,7 @@ class PreferenceObjective:
         chosen, rejected = self._rewards(sums)
         margin = chosen - rejected
         losses = -F.logsigmoid(margin - (self.cfg.simpo_gamma if self.cfg.loss == "simpo" else 0.0))
-        self._add(sums, chosen.detach(), rejected.detach())
+        self._unclaimed = self._metric_sums(sums, chosen.detach(), rejected.detach())
         return losses.sum().float()
 
     def _rewards(self, sums: PairSums) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,24 +210,43 @@ class PreferenceObjective:
             scores = sums.policy - sums.reference
         return self.cfg.beta * scores[:, 0], self.cfg.beta * scores[:, 1]
 
-    def _add(self, sums: PairSums, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
+    def _metric_sums(self, sums: PairSums, chosen: torch.Tensor, rejected: torch.Tensor,
+                     ) -> dict[str, torch.Tensor]:
         # SimPO's log-probabilities are the length-averaged ones it scores (TRL's CPOTrainer logs those).
         policy = (sums.policy / sums.tokens if self.cfg.loss == "simpo" else sums.policy).detach()
         values = {"rewards/chosen": chosen, "rewards/rejected": rejected,
                   "rewards/margins": chosen - rejected, "rewards/accuracies": (chosen > rejected).double(),
                   "logps/chosen": policy[:, 0], "logps/rejected": policy[:, 1]}
-        for name, value in values.items():
-            self.sums[name] = self.sums.get(name, 0.0) + value.sum()
+        return {name: value.sum() for name, value in values.items()}
 
     def _record(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         wanted = counted(targets)
         ids = targets[..., TARGET_ID].long().clamp(min=0)
         log_probs = token_log_probs(logits.flatten(0, 1), ids.flatten()).view(ids.shape)
-        self.recording.append(log_probs.masked_fill(~wanted, 0.0).float().detach())
+        self._unclaimed = log_probs.masked_fill(~wanted, 0.0).float().detach()
         return torch.zeros((), device=targets.device)
+
+    def claim(self, loss: torch.Tensor) -> None:
+        """The last call's metrics or recording belong to `loss`, what the loss function returned."""
+        if self._unclaimed is not None:
+            self._pending.append((loss, self._unclaimed))
+            self._unclaimed = None
+
+    def keep(self, losses: list[torch.Tensor]) -> None:
+        """Count the calls whose losses are `losses` (those of the chunks the step computed, in
+        order); forget the others."""
+        for loss, what in self._pending:
+            if any(loss is kept for kept in losses):
+                if isinstance(what, torch.Tensor):
+                    self.recording.append(what)
+                else:
+                    for name, value in what.items():
+                        self.sums[name] = self.sums.get(name, 0.0) + value
+        self._pending.clear()
 
     def reset(self) -> None:
         self.sums = {}
+        self._pending.clear()
 
     def metrics(self, pairs: int, device: torch.device, groups: list[dist.ProcessGroup]) -> dict[str, float]:
         """TRL's metrics, means over the `pairs` of the global batch: the sums so far added over

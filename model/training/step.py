@@ -153,7 +153,10 @@ def scaled_loss(logits: torch.Tensor, targets: torch.Tensor, parts_per_step: int
         loss = cross_entropy(logits, targets, reduction="sum") * weight.per_token
     else:
         loss = cross_entropy(logits, targets) / parts_per_step
-    return loss * scaler.scale if scaler is not None else loss
+    scaled = loss * scaler.scale if scaler is not None else loss
+    if objective is not None:
+        objective.claim(scaled)
+    return scaled
 
 
 @dataclass
@@ -291,12 +294,18 @@ class TrainStep:
                     logits = self.parts[0](inputs, **model_kwargs)  # (B, T, V)
                 scaled = scaled_loss(logits, targets, self.grad_accum_steps, self.scaler, self.weight,
                                      self.objective)
+                self._keep([scaled])
                 if backward:
                     scaled.backward()
         if isinstance(scaled, DTensor):  # replicated loss of loss_parallel
             scaled = scaled.full_tensor()
         unscale = self.scaler.scale if self.scaler is not None else 1.0
         return scaled.detach() / unscale
+
+    def _keep(self, losses: list[torch.Tensor]) -> None:
+        """The objective counts what the chunks of `losses` computed beside them (PreferenceObjective)."""
+        if self.objective is not None:
+            self.objective.keep(losses)
 
     def _counted_logits_only(self) -> bool:
         """Whether the model projects only the positions whose targets count: targets are masked
@@ -324,6 +333,7 @@ class TrainStep:
             return self._staged_forward(inputs, targets, model_kwargs)
         else:
             self.schedule.eval(*args, **kwargs, **model_kwargs)
+        self._keep(losses)
         return torch.stack(losses).sum() if self.is_last_stage else torch.zeros((), device=self.device)
 
     def _staged_forward(self, inputs: torch.Tensor, targets: torch.Tensor,
@@ -347,7 +357,9 @@ class TrainStep:
                 self._send_activations(h, owner[stage + 1])
         if last not in mine:
             return torch.zeros((), device=self.device)
-        return scaled_loss(h, targets, self.grad_accum_steps, self.scaler, self.weight, self.objective)
+        scaled = scaled_loss(h, targets, self.grad_accum_steps, self.scaler, self.weight, self.objective)
+        self._keep([scaled])
+        return scaled
 
     def _send_activations(self, h: torch.Tensor, pp_rank: int) -> None:
         header = torch.tensor([*h.shape, ACTIVATION_DTYPES.index(h.dtype)], device=self.device)
