@@ -30,7 +30,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,9 @@ EXACT_FLIPS_UP_TO = 12  # clusters that differ: up to 2**12 swap patterns are en
 # The document field whose value the items of a task share when they share a context (BoolQ asks
 # several questions about one passage, StereoSet several sentences about one target group).
 SHARED_CONTEXT = {"forgeline_boolq": "passage", "boolq": "passage", "forgeline_stereoset": "target"}
+# The document field listing the instruction types of an IFEval prompt (lm-eval's registry ids),
+# kept per item so that its prompts can be scored apart by type (eval/instruction_types.py).
+INSTRUCTION_TYPES = {"forgeline_ifeval": "instruction_id_list", "ifeval": "instruction_id_list"}
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ class TaskItems:
     clusters: list[str] | None = None
     """Per item, the context it shares with the other items of its cluster (SHARED_CONTEXT);
     None: every item is its own."""
+    instruction_types: list[list[str]] | None = None
+    """IFEval's: per item, the types of its instructions, from its document (INSTRUCTION_TYPES);
+    None for other tasks."""
 
     @classmethod
     def from_samples(cls, samples: list[dict], score: TaskScore) -> TaskItems:
@@ -71,8 +77,16 @@ class TaskItems:
         rows = [row for row in samples if row["filter"] == (filter_name or "none")]
         context = SHARED_CONTEXT.get(score.task)
         clusters = None if context is None else [text_id(str(row["doc"][context])) for row in rows]
+        types = INSTRUCTION_TYPES.get(score.task)
+        instruction_types = None if types is None else [list(row["doc"][types]) for row in rows]
         return cls(ids=[row["doc_hash"][:16] for row in rows], values=[row[metric] for row in rows],
-                   clusters=clusters)
+                   clusters=clusters, instruction_types=instruction_types)
+
+    def among(self, ids: set[str]) -> TaskItems:
+        """The items whose id is in `ids`, each with its value, cluster and instruction types."""
+        kept = [index for index, item_id in enumerate(self.ids) if item_id in ids]
+        return TaskItems(**{column.name: None if (entries := getattr(self, column.name)) is None
+                            else [entries[index] for index in kept] for column in fields(self)})
 
     def value(self, score: TaskScore) -> float:
         return float(AGGREGATIONS[score.aggregation](self.values))

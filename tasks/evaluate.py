@@ -24,6 +24,13 @@ chat template among them, the window, the precision), the plan (each dimension's
 it) and the suite's fingerprint (eval/suite.py), so the runs continued from one base evaluate
 it once.
 
+A run whose config has a `pairs` section (preference pairs made from constraints of some of
+IFEval's instruction types, `pairs.instruction_types`) has IFEval's prompt-level strict
+accuracy reported apart on the prompts whose instruction types were all trained, none trained
+and the mixed rest, for the run, the base and the paired change (eval/instruction_types.py):
+`instruction_types` in report.json, `instruction_following/<group>_types` in metrics.json, lines
+under the table; each IFEval item's types are kept in items.json.
+
 Output (`eval.out_dir`): `report.json` (scores per dimension and task, with intervals),
 `metrics.json` (flat, standard errors under `stderr/`; the DVC metrics file),
 `lm_eval_results.json` (lm-eval's results per dimension), `items.json` (each task's metric per
@@ -58,6 +65,11 @@ from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 from forgeline.configs import Config
 from forgeline.configs.schema import DimensionConfig, EvalConfig
 from forgeline.eval.dimensions import DIMENSION_TASKS, TaskScore, task_score, through_template
+from forgeline.eval.instruction_types import (
+    instruction_types_lines,
+    instruction_types_metrics,
+    instruction_types_report,
+)
 from forgeline.eval.lm import ForgelineLM, eval_precision
 from forgeline.eval.scores import (
     Z95,
@@ -111,6 +123,9 @@ class EvalResult:
     (detectable_by_dimension)."""
     precision: str = "fp32"
     """The weights' precision it scored in (Scoring): eval.precision resolved."""
+    instruction_types: dict | None = None
+    """With a `pairs` section: IFEval apart on the prompts of trained, held-out and mixed
+    instruction types (report.json's `instruction_types`, eval/instruction_types.py)."""
 
     def _change(self, change: float, key: str) -> str:
         interval = f" ± {Z95 * self.change_stderrs[key]:.3f}" if key in self.change_stderrs else ""
@@ -126,7 +141,7 @@ class EvalResult:
                     for name, score in self.dimensions.items()]
             overall = f"| **overall** | **{self._cell(self.overall, 'overall', self.stderrs)}** |"
             return "\n".join(["| dimension | score (95 % interval) |", "|---|---|", *rows, overall]) + \
-                self._detectable()
+                self._by_instruction_type() + self._detectable()
         rows = [f"| {name} | {self._cell(score, name, self.stderrs)} | "
                 f"{self._cell(self.base_dimensions[name], name, self.base_stderrs)} | "
                 f"{self._change(score - self.base_dimensions[name], name)} |"
@@ -135,7 +150,12 @@ class EvalResult:
                    f"**{self._cell(self.base_overall, 'overall', self.base_stderrs)}** | "
                    f"**{self._change(self.overall - self.base_overall, 'overall')}** |")
         header = ["| dimension | score (95 % interval) | base | change (paired) |", "|---|---|---|---|"]
-        return "\n".join([*header, *rows, overall]) + self._detectable()
+        return "\n".join([*header, *rows, overall]) + self._by_instruction_type() + self._detectable()
+
+    def _by_instruction_type(self) -> str:
+        if self.instruction_types is None:
+            return ""
+        return "\n\n" + instruction_types_lines(self.instruction_types)
 
     def _detectable(self) -> str:
         if self.detectable is None:
@@ -271,9 +291,11 @@ class ModelScores:
         return aggregate(self.raw, scores, stderrs)
 
     def items_record(self, plan: Plan) -> dict[str, dict]:
-        """What items.json keeps: per task its metric, item ids and per-item values."""
+        """What items.json keeps: per task its metric, item ids and per-item values (and
+        clusters, instruction types: None where a task has none)."""
         return {s.task: {"metric": s.metric, "aggregation": s.aggregation, "ids": self.items[s.task].ids,
-                         "values": self.items[s.task].values, "clusters": self.items[s.task].clusters}
+                         "values": self.items[s.task].values, "clusters": self.items[s.task].clusters,
+                         "instruction_types": self.items[s.task].instruction_types}
                 for scores, _ in plan.values() for s in scores}
 
 
@@ -351,7 +373,8 @@ class EvaluatedItems:
         record = json.loads(path.read_text())
         if "suite" not in record:
             raise ValueError(f"{path} has no suite record: it was written before evaluations could be paired")
-        items = {task: TaskItems(ids=entry["ids"], values=entry["values"], clusters=entry.get("clusters"))
+        items = {task: TaskItems(ids=entry["ids"], values=entry["values"], clusters=entry.get("clusters"),
+                                 instruction_types=entry.get("instruction_types"))
                  for task, entry in record[which].items()}
         suite = record["suite"]
         scoring = suite.get("scoring", {})
@@ -418,6 +441,7 @@ def evaluate_model(cfg: Config) -> EvalResult:
     suite = suite_fingerprint(suite_dir, data_dir)
     suite_record = {"fingerprint": suite, "plan": plan_record(plan), "scoring": scoring_record(model_args)}
     items = {"suite": suite_record, "model": scored.items_record(plan)}
+    base_items = None
     if trained.base is not None:
         base = recorded_base(trained.base)
         base_scored = cached_scores(
@@ -427,6 +451,10 @@ def evaluate_model(cfg: Config) -> EvalResult:
         result = beside_base(result, report, base, base_scored.report(plan), base_scored.raw,
                              paired_comparison(scored.items, base_scored.items, plan_scores(plan)))
         items["base"] = base_scored.items_record(plan)
+        base_items = base_scored.items
+    if cfg.pairs is not None:
+        result = by_instruction_type(result, report, plan, scored.items, base_items,
+                                     cfg.pairs.instruction_types)
     write_text_atomic(out_dir / RESULTS_NAME,
                       json.dumps(scored.lm_eval_results, indent=2, sort_keys=True, default=str) + "\n")
     write_text_atomic(out_dir / REPORT_NAME, json.dumps(report, indent=2) + "\n")
@@ -435,6 +463,26 @@ def evaluate_model(cfg: Config) -> EvalResult:
     plot_dimensions(result, out_dir / CHART_NAME)
     log.info("eval scores:\n%s", result.markdown())
     return result
+
+
+def by_instruction_type(result: EvalResult, report: dict, plan: Plan, items: dict[str, TaskItems],
+                        base_items: dict[str, TaskItems] | None, trained: list[str]) -> EvalResult:
+    """The run's result with IFEval's strict accuracy apart on the prompts of trained, held-out
+    and mixed instruction types (eval/instruction_types.py), the base's and the paired change
+    beside it where there is a base; `report` gains `instruction_types`. A plan without IFEval
+    has nothing to split: said, and the result is left as it is."""
+    typed = [s for scores in plan_scores(plan).values() for s in scores
+             if items[s.task].instruction_types is not None]
+    if not typed:
+        log.warning("pairs.instruction_types: IFEval is not evaluated (eval.dimensions has no "
+                    "instruction_following), so its prompts of trained and held-out types are not reported")
+        return result
+    [score] = typed
+    section = instruction_types_report(score, items[score.task],
+                                       None if base_items is None else base_items[score.task], trained)
+    report["instruction_types"] = section
+    return replace(result, metrics=result.metrics | instruction_types_metrics(section),
+                   instruction_types=section)
 
 
 def stderrs_of(report: dict) -> dict[str, float]:

@@ -319,6 +319,7 @@ STAGES = (
         summary="lm-eval with the `forgeline` model class on the offline suite, scored per capability "
                 "dimension",
         sections=("eval",),
+        params=("pairs.instruction_types",),  # reports IFEval's prompts of trained and held-out types apart
         reads=(Upstream("data"), Upstream("train")),
         output="eval.out_dir",
         outputs=(Output("lm_eval_results.json"), Output("report.json"), Output("items.json"), Output("tasks"),

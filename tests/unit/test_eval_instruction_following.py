@@ -27,7 +27,15 @@ from forgeline.eval.periodic import score_tasks
 from forgeline.eval.scores import TaskItems, paired_comparison
 from forgeline.eval.suite import ifeval_rows, render_suite, suite_task_manager
 from forgeline.model.inference import save_bundle
-from forgeline.tasks.evaluate import EvaluatedItems, ModelScores, as_assistant, plan_record, score_lm
+from forgeline.tasks.evaluate import (
+    EvalResult,
+    EvaluatedItems,
+    ModelScores,
+    as_assistant,
+    by_instruction_type,
+    plan_record,
+    score_lm,
+)
 from tests.chat import random_model, save_chat_tokenizer, save_random_bundle
 
 IFEVAL = task_score("forgeline_ifeval")
@@ -259,6 +267,37 @@ def test_ifeval_items_pair_through_items_json_like_any_task(ifeval_run: tuple[li
     expected = 1 / LIMIT if scored.items["forgeline_ifeval"].values[0] else -1 / LIMIT
     assert change["difference"] == pytest.approx(expected)
     assert versus["shared_items"] == {"forgeline_ifeval": LIMIT}
+
+
+def test_each_ifeval_item_keeps_its_instruction_types_and_the_eval_stage_splits_by_them(
+        ifeval_run: tuple[list[str], ModelScores], tmp_path: Path) -> None:
+    """Each item's types come from lm-eval's document and go through items.json; with
+    `punctuation:no_comma` trained, the first three prompts (no comma and two other types; no
+    comma alone; placeholders) are one mixed, one trained and one held out, and a base answering
+    otherwise on the trained one only changes that group alone."""
+    _, scored = ifeval_run
+    ifeval = scored.items["forgeline_ifeval"]
+    documents = [row["instruction_id_list"] for row in ifeval_rows()[:LIMIT]]
+    assert sorted(ifeval.instruction_types) == sorted(documents)
+    taught = ifeval.instruction_types.index(["punctuation:no_comma"])
+    answers = [not value if i == taught else value for i, value in enumerate(ifeval.values)]
+    other = ModelScores(raw=scored.raw, items={"forgeline_ifeval": TaskItems(ids=ifeval.ids, values=answers)})
+    record = {"suite": {"fingerprint": "f", "plan": plan_record(PLAN), "scoring": {"max_length": None}},
+              "model": scored.items_record(PLAN), "base": other.items_record(PLAN)}
+    (tmp_path / "items.json").write_text(json.dumps(record))
+    model, base = (EvaluatedItems.read(tmp_path / "items.json", which) for which in ("model", "base"))
+    assert model.items["forgeline_ifeval"].instruction_types == ifeval.instruction_types
+    assert base.items["forgeline_ifeval"].instruction_types is None  # the run's types decide the groups
+    report: dict = {}
+    result = EvalResult(out_dir=str(tmp_path), checkpoint="step-1", overall=0.0, dimensions={}, metrics={})
+    result = by_instruction_type(result, report, PLAN, model.items, base.items, ["punctuation:no_comma"])
+    section = report["instruction_types"]
+    assert [section[group]["prompts"] for group in ("trained", "held_out", "mixed")] == [1, 1, 1]
+    assert section["trained"]["score"] == float(ifeval.values[taught])
+    assert section["trained"]["versus_base"]["difference"] == (1.0 if ifeval.values[taught] else -1.0)
+    assert section["held_out"]["versus_base"]["difference"] == 0
+    assert section["mixed"]["versus_base"]["difference"] == 0
+    assert result.metrics["prompts/instruction_following/trained_types"] == 1
 
 
 def test_ifeval_generates_with_lm_evals_own_settings(task_manager: TaskManager) -> None:

@@ -180,6 +180,27 @@ def test_a_config_with_a_preference_section_tunes_preferences_in_place_of_traini
     assert stage_named("preference").code_hash() == stage_named("train").code_hash()  # one trainer
 
 
+def test_the_eval_stage_reruns_when_the_trained_instruction_types_change(tmp_path: Path) -> None:
+    """It reports IFEval's prompts of trained and held-out types apart: `pairs.instruction_types`
+    is in its cache key and MLflow params; a config without `pairs` has no such input."""
+    from forgeline.tasks.cache import stage_inputs
+
+    def preference(*types: str) -> Config:
+        return debug_config(tmp_path, "preference.beta=0.1", f"model.init_from={base}",
+                            "data.sources=[{kind: pairs}]", f"pairs.instruction_types=[{', '.join(types)}]")
+
+    base = save_base(tmp_path / "base")
+    comma, lowercase = preference("punctuation:no_comma"), preference("change_case:english_lowercase")
+    evaluates = stage_named("eval")
+    assert evaluates.params_of(comma) == ("pairs.instruction_types",)
+    assert evaluates.params_of(debug_config(tmp_path)) == ()
+    for name in ("data", "train"):  # what it reads must exist to be hashed
+        stage_named(name).done_marker(comma).parent.mkdir(parents=True, exist_ok=True)
+    keys = {cfg.pairs.instruction_types[0]: stage_inputs(evaluates, cfg) for cfg in (comma, lowercase)}
+    assert keys["punctuation:no_comma"]["params"] == {"pairs.instruction_types": ["punctuation:no_comma"]}
+    assert keys["punctuation:no_comma"] != keys["change_case:english_lowercase"]
+
+
 def test_a_fine_tuning_configs_dvc_yaml_has_sft_in_place_of_train(capsys: pytest.CaptureFixture) -> None:
     assert main(["stages", "--dvc", "configs/smollm2-sft.yaml"]) == 0
     stages = yaml.safe_load(capsys.readouterr().out)["stages"]
