@@ -1,16 +1,36 @@
-"""Preference pairs for the data stage: records of each shape read into one canonical pair,
-cleaned as a whole, each side rendered through SmolLM2's real tokenizer and chat template exactly
-as SFT renders the same conversation, with the mask on the reply alone; a `kind: pairs` source
-reads the pairs stage's output."""
+"""The data stage with `preference` set, on preference pairs read as they ship -- a `kind: pairs`
+source (the pairs stage's pairs.jsonl) and a parquet `format: preference` source; real chats of
+the shipped dataset as prompts and replies -- through SmolLM2's real tokenizer and chat template:
+records of each shape read into one canonical pair, cleaned and deduplicated as a whole, each
+side rendered exactly as SFT renders the same conversation with the mask on the reply alone, a
+pair packed whole (chosen then rejected, mask 1 then 2) and dropped, never cut, when it does not
+fit in a row; the same bytes from another executor and partitioning."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+from forgeline.configs import Config
 from forgeline.configs.schema import CleaningConfig, ConfigError, SourceConfig
+from forgeline.model.fileio import sha256_file
+from forgeline.model.training.shards import (
+    CHOSEN,
+    MASK_FIELD,
+    REJECTED,
+    SAMPLE_FIELD,
+    STARTS_FIELD,
+    iter_shard,
+    read_manifest,
+    split_shards,
+)
+from forgeline.tasks.data import snapshot
+from forgeline.tasks.data.build import build_dataset, partition_members
 from forgeline.tasks.data.chat import (
     PromptNotShared,
     load_chat_tokenizer,
@@ -20,12 +40,15 @@ from forgeline.tasks.data.chat import (
     render_pair,
 )
 from forgeline.tasks.data.clean import clean_pair
-from forgeline.tasks.data.sources import SourceError, preflight_sources, read_source
+from forgeline.tasks.data.snapshot import SOURCES_NAME, SnapshotError, load_snapshot, snapshot_members
+from forgeline.tasks.data.sources import PAIRS_FILE, SourceError, preflight_sources, read_source
 from tests.conftest import debug_config
 from tests.smollm2_tokenizer import MISSING, SKIP_REASON, smollm2_tokenizer_dir
 from tests.unit.test_chat_masks import family_tokenizer
 
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=SKIP_REASON)
+SEQ_LEN = 256
+PAIRS = 40  # kept pairs of the pairs source, one shape in three each
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +227,168 @@ def test_a_pairs_source_needs_the_pairs_section_and_the_pairs_stage_output(tmp_p
         preflight_sources(cfg)
     with pytest.raises(ConfigError, match="a `kind: pairs` source reads the pairs the pairs stage makes"):
         debug_config(tmp_path, "data.sources=[{kind: pairs}]", *preferring)
+
+
+# -- the data stage ------------------------------------------------------------------------------
+
+
+def short_chats(count: int) -> list[list[dict]]:
+    """Shipped chats of four turns or more whose first four fit a row twice over, four turns each."""
+    chats = (json.loads(doc.data) for doc in read_source(SourceConfig(kind="chitchat"), 10**6))
+    short = (chat[:4] for chat in chats if len(chat) >= 4 and sum(len(m["content"]) for m in chat[:4]) < 240)
+    return [chat for chat, _ in zip(short, range(count), strict=False)]
+
+
+def pairs_records(chats: list[list[dict]]) -> list[dict]:
+    """PAIRS records of the three shapes, each chat's reply against another chat's, as the pairs
+    stage writes them (with its own keys), and five it cannot train on."""
+    records = []
+    for n in range(PAIRS):
+        chat, other = chats[n], chats[(n + 7) % len(chats)]
+        if n % 3 == 0:
+            record = {"prompt": chat[0]["content"], "chosen": chat[1]["content"],
+                      "rejected": other[1]["content"]}
+        elif n % 3 == 1:
+            record = {"prompt": chat[:3], "chosen": [chat[3]], "rejected": other[3]["content"]}
+        else:
+            record = {"chosen": chat, "rejected": [*chat[:3], other[3]]}
+        records.append({**record, "instruction_ids": ["punctuation:no_comma"]})
+    unusable = [{"prompt": "Tell me everything.", "chosen": "Everything. " * 40,
+                 "rejected": "All of it. " * 40},
+                {"prompt": "Hi", "chosen": "Hello!", "rejected": "Hello!"},
+                {"prompt": "Hi", "chosen": "  ", "rejected": "Hello"}]
+    return records + unusable + records[:2]  # too long together, identical, empty; two exact duplicates
+
+
+def parquet_pairs(chats: list[list[dict]]) -> list[dict]:
+    return [{"prompt": chat[:1], "chosen": [chat[1]], "rejected": [other[1]]}
+            for chat, other in zip(chats, chats[3:] + chats[:3], strict=True)]
+
+
+def preference_config(root: Path, pairs_dir: Path, *overrides: str):
+    parquet = {"kind": "files", "path": str(root / "pairs.parquet"), "format": "preference",
+               "name": "parquet"}
+    sources = [{"kind": "pairs"}, parquet]
+    return debug_config(root, f"data.sources={json.dumps(sources)}", "preference.beta=0.1",
+                        f"model.init_from={root / 'base'}", f"pairs.out_dir={pairs_dir}",
+                        "pairs.instruction_types=[punctuation:no_comma]",
+                        f"data.tokenizer_path={smollm2_tokenizer_dir()}", f"data.seq_len={SEQ_LEN}",
+                        "data.val_fraction=0.25", "data.samples_per_shard=4", *overrides)
+
+
+@pytest.fixture(scope="module")
+def preference_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Config, dict]:
+    """The config of a preference dataset built on Dask from a snapshot in gzip members of 2 KB,
+    and the records it was built from, by source."""
+    root = tmp_path_factory.mktemp("preference")
+    chats = short_chats(PAIRS + 8)
+    (root / "pairs").mkdir()
+    write_jsonl(root / "pairs" / PAIRS_FILE, pairs_records(chats[:PAIRS]))
+    pq.write_table(pa.Table.from_pylist(parquet_pairs(chats[PAIRS:])), root / "pairs.parquet")
+    cfg = preference_config(root, root / "pairs")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(snapshot, "MEMBER_BYTES", 2048)
+        build_dataset(cfg)
+    written = {"pairs": pairs_records(chats[:PAIRS]), "parquet": parquet_pairs(chats[PAIRS:])}
+    return cfg, written
+
+
+def expected_pairs(tokenizer, cfg: Config) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
+    """chat.py's rendering of every pair the stage keeps (as the snapshot holds it, cleaned), by
+    its two conversations' ids; the exact duplicates, and the pair that does not fit, left out."""
+    out = {}
+    for raw in load_snapshot(cfg.data):
+        reason, pair = cleaned(pair_of(raw.data.decode()))
+        if reason is None:
+            both = render_pair(tokenizer, pair)
+            if len(both.chosen.ids) + len(both.rejected.ids) <= SEQ_LEN + 1:
+                out[(tuple(both.chosen.ids.tolist()), tuple(both.rejected.ids.tolist()))] = (
+                    both.chosen.mask, both.rejected.mask)
+    return out
+
+
+def rows(data_dir: Path, manifest: dict, split: str) -> list[dict[str, np.ndarray]]:
+    return [sample for shard in split_shards(data_dir, manifest, split) for sample in iter_shard(shard)]
+
+
+def test_shards_pack_whole_pairs_chosen_then_rejected_with_masks_one_and_two(preference_data,
+                                                                             tokenizer) -> None:
+    cfg, _ = preference_data
+    data_dir = Path(cfg.data.out_dir)
+    manifest = read_manifest(data_dir)
+    assert manifest["preference"] is True and manifest["loss_masks"] is True and "train_on" not in manifest
+    expected, found, several = expected_pairs(tokenizer, cfg), [], 0
+    for split in ("train", "val"):
+        loss = {CHOSEN: 0, REJECTED: 0}
+        for sample in rows(data_dir, manifest, split):
+            tokens, starts, mask = sample[SAMPLE_FIELD], sample[STARTS_FIELD], sample[MASK_FIELD]
+            assert tokens.shape == mask.shape == (SEQ_LEN + 1,) and mask.dtype == np.uint8
+            assert len(starts) % 2 == 0  # whole pairs only
+            several += len(starts) > 2
+            end = len(np.trim_zeros(tokens, "b"))  # the padding after the last pair is EOS, id 0
+            assert not mask[end:].any()
+            bounds = [*starts.tolist(), end]
+            for k in range(0, len(starts), 2):
+                chosen, rejected = (slice(bounds[k + i], bounds[k + i + 1]) for i in (0, 1))
+                key = (tuple(tokens[chosen].tolist()), tuple(tokens[rejected].tolist()))
+                assert key in expected, "a row holds a pair chat.py does not render so"
+                for part, rendered, value in ((chosen, expected[key][0], CHOSEN),
+                                              (rejected, expected[key][1], REJECTED)):
+                    want = rendered * value
+                    want[0] = 0  # a document's first token: nothing of its own predicts it
+                    assert mask[part].tolist() == want.tolist()
+                first = int(np.argmax(mask[chosen] > 0))  # the prompt: the same tokens before both replies
+                assert tokens[chosen][:first].tolist() == tokens[rejected][:first].tolist()
+                found.append(key)
+            loss[CHOSEN] += int((mask == CHOSEN).sum())
+            loss[REJECTED] += int((mask == REJECTED).sum())
+        counts = manifest["splits"][split]
+        assert counts["pairs"] > 0
+        assert counts["chosen_loss_tokens"] == loss[CHOSEN]
+        assert counts["rejected_loss_tokens"] == loss[REJECTED]
+        assert counts["loss_tokens"] == loss[CHOSEN] + loss[REJECTED]
+    assert sorted(found) == sorted(expected) and several > 0  # every kept pair once, several to a row
+    assert len(found) == sum(manifest["splits"][split]["pairs"] for split in ("train", "val"))
+
+
+def test_pairs_are_cleaned_deduplicated_and_dropped_by_reason_per_source(preference_data) -> None:
+    cfg, written = preference_data
+    data_dir = Path(cfg.data.out_dir)
+    manifest = read_manifest(data_dir)
+    pairs, parquet = manifest["sources"]["pairs"], manifest["sources"]["parquet"]
+    assert pairs["removed"] == {"exact_duplicate": 2, "too_long": 1, "identical_replies": 1, "empty_turn": 1}
+    assert pairs["input"]["documents"] == len(written["pairs"]) and pairs["kept"] == PAIRS
+    assert parquet["removed"] == {} and parquet["kept"] == len(written["parquet"])
+    for entry in (pairs, parquet):
+        assert entry["train_pairs"] + entry["val_pairs"] == entry["kept"] and "train_documents" not in entry
+    held_out = [json.loads(line) for line in (data_dir / "val_docs.jsonl").read_text().splitlines()]
+    assert len(held_out) == manifest["splits"]["val"]["pairs"]
+    assert all(doc["text"].startswith("<|im_start|>system") and doc["rejected_text"].endswith("<|im_end|>\n")
+               and {"prompt", "chosen", "rejected"} <= doc.keys() for doc in held_out)
+    [read] = [entry for entry in json.loads((Path(cfg.data.raw_dir) / SOURCES_NAME).read_text())["sources"]
+              if entry["label"] == "pairs"]
+    assert read["provenance"] == {"path": f"{cfg.pairs.out_dir}/{PAIRS_FILE}"}
+
+
+def test_the_same_pairs_give_the_same_bytes_on_a_pool_in_smaller_partitions(preference_data,
+                                                                            tmp_path: Path) -> None:
+    built, _ = preference_data
+    root = Path(built.data.out_dir).parent
+    cfg = preference_config(root, root / "pairs", f"data.out_dir={tmp_path / 'data'}", "data.executor=pool",
+                            "data.num_workers=2", "data.partition_mb=0.002")
+    assert len(partition_members(snapshot_members(cfg.data), cfg.data.partition_mb)) >= 4
+    result = build_dataset(cfg, from_snapshot=True)
+    assert not result.reused
+    digests = [{str(path.relative_to(out)): sha256_file(path) for path in sorted(out.rglob("*"))
+                if path.is_file()} for out in (Path(built.data.out_dir), Path(result.out_dir))]
+    assert digests[0] == digests[1]
+
+
+def test_a_snapshot_of_another_pairs_out_dir_is_not_built_from(preference_data, tmp_path: Path) -> None:
+    """pairs.out_dir is no part of the sources' config: the snapshot says which pairs it read."""
+    built, _ = preference_data
+    root = Path(built.data.out_dir).parent
+    cfg = preference_config(root, tmp_path / "other-pairs", f"data.out_dir={tmp_path / 'data'}")
+    with pytest.raises(SnapshotError, match=r"holds the pairs of .*/pairs/pairs.jsonl, not of this config's "
+                                            r"pairs.out_dir \(.*other-pairs/pairs.jsonl\)"):
+        build_dataset(cfg, from_snapshot=True)
