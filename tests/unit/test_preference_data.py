@@ -137,6 +137,14 @@ def test_records_of_every_shape_read_into_one_canonical_pair(tmp_path: Path) -> 
     assert fields == shared
 
 
+def test_a_saved_dataset_of_pairs_is_read_as_its_jsonl_records_are(tmp_path: Path) -> None:
+    import datasets  # heavy: this test only
+
+    records = [LIST_PAIR,
+               {"prompt": [user("Hi")], "chosen": [assistant("Hello")], "rejected": [assistant("Go.")]}]
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    source = SourceConfig(kind="hf", path=str(tmp_path / "saved"), format="preference")
+    assert [pair_of(doc.data.decode()) for doc in read_source(source, 10**6)] == read_pairs(tmp_path, records)
 def test_a_record_not_of_the_format_names_its_line(tmp_path: Path) -> None:
     """Strings with no prompt: there is no conversation to take the prompt from."""
     with pytest.raises(SourceError, match=r"pairs.jsonl:2: not a JSON object with 'chosen' and 'rejected' "
