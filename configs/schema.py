@@ -1440,6 +1440,10 @@ class Config(Section):
         if self.pairs and not any(source.kind == "pairs" for source in self.data.sources):
             raise ValueError("the pairs section makes pairs that no data source reads: add "
                              "`{kind: pairs}` to data.sources, or unset pairs")
+        if not self.pairs and any(source.kind == "pairs" for source in self.data.sources):
+            raise ValueError("a `kind: pairs` source reads the pairs the pairs stage makes (in "
+                             "pairs.out_dir): set the `pairs` section, or read pairs made elsewhere as "
+                             "`{kind: files, path: ..., format: preference}`")
 
     def _shape_fits(self) -> None:
         """The checks that need the model's shape: for a run from a base, once it is read

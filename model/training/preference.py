@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from forgeline.configs.schema import PreferenceConfig
 from forgeline.model.fileio import new_directory
+from forgeline.model.training.shards import CHOSEN, REJECTED
 
 if TYPE_CHECKING:
     from forgeline.model.training.loader import ShardedSampleLoader
@@ -57,7 +58,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 IGNORED = -100  # a target outside the replies (cross_entropy's ignore_index)
-CHOSEN, REJECTED = 1, 2  # the loss mask's values of the two replies of a pair
 TARGET_ID, SIDE, PAIR, REFERENCE = range(4)  # the fields of a preference target
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
          "logps/rejected")

@@ -11,6 +11,18 @@ deterministic: plain ustar headers with a fixed mtime, owner and mode, samples a
 fixed order, so the same samples give the same shard. `manifest.json` beside the shards lists
 every shard with its sample count and sha256, and says whether the samples carry masks
 (`loss_masks`).
+
+The samples of preference pairs (preference tuning; the manifest says `preference: true`, and
+`loss_masks: true`) are laid out the same, and their mask tells the replies apart: a pair is two
+documents, one after the other in the same row -- prompt + chosen reply, then prompt + rejected
+reply, each rendered whole through the chat template and starting where `starts.npy` says --,
+several pairs to a row and none cut, the rest of the row EOS. `mask.npy` is CHOSEN (1) on the
+chosen reply's trained tokens (each assistant turn of it and its end-of-turn token), REJECTED
+(2) on the rejected reply's, 0 elsewhere: on the prompt, the padding and each document's first
+token. Every document of such a row has trained tokens, so documents 2k and 2k + 1 of a row are
+its k-th pair, chosen first: the k-th document whose mask holds 1s goes with the k-th whose mask
+holds 2s. Both documents of a pair hold the same tokens before their first trained one (the
+prompt as the model reads it).
 """
 
 from __future__ import annotations
@@ -33,7 +45,8 @@ SAMPLE_FIELD = "tokens.npy"
 STARTS_FIELD = "starts.npy"
 MASK_FIELD = "mask.npy"
 LOSS_MASKS = "loss_masks"  # the manifest's key: true when every sample carries MASK_FIELD
-PREFERENCE = "preference"  # the manifest's key: true when the samples are preference pairs
+PREFERENCE = "preference"  # the manifest's key: true when the samples hold preference pairs
+CHOSEN, REJECTED = 1, 2  # MASK_FIELD's values on the trained tokens of a pair's two replies
 FORMAT_VERSION = "forgeline-shards/2"
 
 

@@ -29,6 +29,14 @@ pieces that fit, each with the system turn), the row padded with EOS; the shards
 masks, the manifest says so (`loss_masks`, `train_on`) and names the template by its sha256,
 and the tokenizer is saved with the template.
 
+With `preference` set the documents are preference pairs (chat.py `pair_text`), cleaned and
+deduplicated as a whole, each rendered as two conversations (prompt + chosen, prompt + rejected)
+through the template, and packed whole as one, several pairs to a row; the masks tell the
+replies apart (shards.py: 1 chosen, 2 rejected). A pair that does not fit in a row is dropped
+(too_long), never cut. The manifest says `preference: true` and counts per split its `pairs` and
+their `loss_tokens` (and of each reply: `chosen_loss_tokens`, `rejected_loss_tokens`), per
+source its pairs kept and dropped by reason; both splits must hold pairs.
+
 The output is built in a temporary directory and swapped in whole, so a failed run never leaves a
 half-written shard under its final name. The same inputs, config and code give byte-identical
 output -- whatever the executor, the number of workers and `data.partition_mb` -- and a rerun on
@@ -54,7 +62,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from forgeline.configs import Config
 from forgeline.configs.schema import ConfigError, DataConfig, SourceConfig
 from forgeline.model.fileio import sha256_file
-from forgeline.model.training.shards import FORMAT_VERSION, LOSS_MASKS, MANIFEST_NAME
+from forgeline.model.training.shards import FORMAT_VERSION, LOSS_MASKS, MANIFEST_NAME, PREFERENCE
 from forgeline.tasks.atomic import remove_stale_staging, replace_dir, staging_dir
 from forgeline.tasks.data import work as w
 from forgeline.tasks.data.chat import load_chat_tokenizer, resolve_template, template_sha256
@@ -158,9 +166,10 @@ def build_from_snapshot(cfg: Config) -> DataResult:
                       labels=tuple(source.label for source in dcfg.sources),
                       weights=tuple(source.weight for source in dcfg.sources), val_fraction=dcfg.val_fraction,
                       buckets=dedup_buckets(members, dcfg, num_workers),
-                      partition_firsts=tuple(p[0].first for p in partitions), conversations=bool(cfg.sft))
+                      partition_firsts=tuple(p[0].first for p in partitions), conversations=bool(cfg.sft),
+                      pairs=bool(cfg.preference))
         Path(plan.work_dir, "tokens").mkdir(parents=True)
-        stats = {source.label: source_entry(source, plan.conversations) for source in dcfg.sources}
+        stats = {source.label: source_entry(source, plan) for source in dcfg.sources}
         work = [w.PartitionWork(n, tuple(partition), plan) for n, partition in enumerate(partitions)]
         cleaned = executor.map("clean", w.clean_partition, work)
         examples = count_filters(plan, cleaned, stats)
@@ -171,10 +180,11 @@ def build_from_snapshot(cfg: Config) -> DataResult:
         source = tokenizer_source(cfg)
         tokenizer, eos_id = build_tokenizer(dcfg, source, training_texts(plan, len(partitions)))
         chat = None
-        if cfg.sft:
+        if cfg.fine_tuning:
             chat_template = chat_template_of(cfg)
             hf_tokenizer = save_chat_tokenizer(source, chat_template, tmp / "tokenizer")
-            chat = w.ChatWork(str(tmp / "tokenizer"), dcfg.seq_len + 1, cfg.sft.train_on)
+            chat = w.ChatWork(str(tmp / "tokenizer"), dcfg.seq_len + 1, pairs=plan.pairs,
+                              **({"train_on": cfg.sft.train_on} if cfg.sft else {}))
         else:
             hf_tokenizer = save_tokenizer(tokenizer, dcfg.special_tokens, tmp / "tokenizer")
         tokenizer_json = str(Path(plan.work_dir) / "tokenizer.json")
@@ -189,20 +199,19 @@ def build_from_snapshot(cfg: Config) -> DataResult:
         splits, writing = {}, {}
         for split, submitted in tokenizing.items():
             tokens = count_tokens(plan, submitted.results(), split, stats, examples)
+            rendered = rendered_counts(plan, split, stats) if chat else {}
             stems = tuple(str(piece.stem) for piece in pieces[split])
             packing = str(Path(plan.work_dir, f"packing-{split}")) if chat else None
-            samples = (w.write_packing(Path(packing), stems, chat.row_tokens) if chat
+            samples = (w.write_packing(Path(packing), stems, chat.row_tokens, 2 if chat.pairs else 1) if chat
                        else max(0, (tokens - 1) // dcfg.seq_len))
             if samples == 0:
                 raise ValueError(f"the {split} split has {tokens} tokens, fewer than one sample of "
                                  f"data.seq_len + 1 = {dcfg.seq_len + 1}; lower data.seq_len or add text")
             groups = shard_groups(split, stems, samples, dcfg, tmp, num_workers, packing, eos_id)
             writing[split] = executor.submit(f"shards-{split}", w.write_shard_group, groups)
-            splits[split] = {"documents": documents[split], "tokens": tokens, "samples": samples}
-            if chat:
-                splits[split]["loss_tokens"] = loss_tokens(plan, split, stats)
+            splits[split] = {"documents": documents[split], "tokens": tokens, "samples": samples, **rendered}
         if chat:
-            check_dropped(stats, examples, dcfg.max_dropped_fraction)
+            check_dropped(stats, examples, dcfg.max_dropped_fraction, plan.counted)
         for split, submitted in writing.items():
             splits[split]["shards"] = shard_entries(submitted.results(), split, plan, stats)
         log.info("data: tokenizer ready, documents tokenized and packed at %.1f s",
@@ -224,8 +233,7 @@ def build_from_snapshot(cfg: Config) -> DataResult:
             "sources": stats,
             "splits": splits,
             "heldout_docs": "val_docs.jsonl",
-            **({LOSS_MASKS: True, "chat_template_sha256": template_sha256(chat_template),
-                "train_on": cfg.sft.train_on} if chat else {}),
+            **(chat_manifest(cfg, chat_template) if chat else {}),
         }
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         # Beside the manifest, not in it: a change to this stage's code that leaves the data as
@@ -236,6 +244,13 @@ def build_from_snapshot(cfg: Config) -> DataResult:
     log.info("data: %d documents -> %d train / %d val samples in %s (%.1f s)", documents["all"],
              splits["train"]["samples"], splits["val"]["samples"], out_dir, time.perf_counter() - started)
     return data_result(out_dir, manifest, reused=False)
+
+
+def chat_manifest(cfg: Config, chat_template: str) -> dict:
+    """What the manifest says of rendered conversations or pairs: the samples carry loss masks,
+    rendered through this template; sft's turns trained, or that they hold preference pairs."""
+    rendered = {LOSS_MASKS: True, "chat_template_sha256": template_sha256(chat_template)}
+    return {**rendered, PREFERENCE: True} if cfg.preference else {**rendered, "train_on": cfg.sft.train_on}
 
 
 def partition_members(members: list[Member], partition_mb: float) -> list[list[Member]]:
@@ -353,22 +368,27 @@ def training_texts(plan: w.Plan, partitions: int) -> Iterator[tuple[str, str]]:
 
 def count_tokens(plan: w.Plan, counts: list[dict[int, list]], split: str, stats: dict[str, dict],
                  examples: dict[str, list[str]]) -> int:
-    """Adds each source's documents and tokens of the split's pieces (and for conversations, those
-    split at turn boundaries, their loss tokens, the exchanges left out and the conversations
-    dropped -- the template rejects them, or none of their exchanges fits in a row --, with
-    examples) to `stats`; returns the split's tokens."""
+    """Adds each source's documents (or pairs) and tokens of the split's pieces to `stats` -- for
+    conversations also those split at turn boundaries, their loss tokens and the exchanges left
+    out; for pairs each reply's loss tokens; for both, those dropped (the template rejects them,
+    or they do not fit in a row), with examples. Returns the split's tokens."""
     tokens = 0
     for piece in counts:
-        for source, (documents, source_tokens, *conversations) in piece.items():
+        for source, (documents, source_tokens, *rendered) in piece.items():
             label = plan.labels[source]
             entry = stats[label]
-            entry[f"{split}_documents"] += documents
+            entry[f"{split}_{plan.counted}"] += documents
             entry[f"{split}_tokens"] += source_tokens
-            if conversations:
-                several, loss, dropped, dropped_turns, named = conversations
+            if plan.pairs:
+                chosen, rejected, dropped, named = rendered
+                entry[f"{split}_chosen_loss_tokens"] += chosen
+                entry[f"{split}_rejected_loss_tokens"] += rejected
+            elif rendered:
+                several, loss, dropped, dropped_turns, named = rendered
                 entry[f"{split}_split"] += several
                 entry[f"{split}_loss_tokens"] += loss
                 entry[f"{split}_dropped_turns"] += dropped_turns
+            if rendered:
                 removed = entry["removed"]
                 for reason, count in dropped.items():
                     entry["kept"] -= count
@@ -378,29 +398,39 @@ def count_tokens(plan: w.Plan, counts: list[dict[int, list]], split: str, stats:
     return tokens
 
 
-def check_dropped(stats: dict[str, dict], examples: dict[str, list[str]], max_fraction: float) -> None:
-    """Logs per source the conversations dropped, by reason; fails when a source loses more than
-    `max_fraction` of its conversations to reasons other than ALLOWED_DROPS, before any training
-    on what is left."""
+def check_dropped(stats: dict[str, dict], examples: dict[str, list[str]], max_fraction: float,
+                  records: str = "conversations") -> None:
+    """Logs per source the conversations (or pairs: `records`) dropped, by reason; fails when a
+    source loses more than `max_fraction` of them to reasons other than ALLOWED_DROPS, before any
+    training on what is left."""
     for label, entry in stats.items():
         read, removed = entry["input"]["documents"], entry["removed"]
         counted = sum(count for reason, count in removed.items() if reason not in ALLOWED_DROPS)
-        split, turns = (sum(entry.get(f"{part}_{key}", 0) for part in ("train", "val"))
-                        for key in ("split", "dropped_turns"))
-        log.info("data: source %s: %d conversations read, %d kept, dropped %s; split at turn boundaries "
-                 "(longer than a row) %d, exchanges left out (alone longer than a row) %d", label, read,
-                 entry["kept"], dict(sorted(removed.items())), split, turns)
+        line = f"{read} {records} read, {entry['kept']} kept, dropped {dict(sorted(removed.items()))}"
+        if records == "conversations":
+            split, turns = (sum(entry.get(f"{part}_{key}", 0) for part in ("train", "val"))
+                            for key in ("split", "dropped_turns"))
+            line += (f"; split at turn boundaries (longer than a row) {split}, exchanges left out (alone "
+                     f"longer than a row) {turns}")
+        log.info("data: source %s: %s", label, line)
         if read and counted / read > max_fraction:
             raise ValueError(
-                f"data source {label} loses {counted} of its {read} conversations ({counted / read:.1%}), "
+                f"data source {label} loses {counted} of its {read} {records} ({counted / read:.1%}), "
                 f"more than data.max_dropped_fraction={max_fraction}: dropped "
                 f"{dict(sorted(removed.items()))}; e.g. {examples[label]}. Fix the records (role names: "
                 "the source's `roles`; too_long: raise data.seq_len), or raise data.max_dropped_fraction")
 
 
 # Drops that lose nothing a model could learn from -- a copy of a kept conversation, one with no
-# assistant turn (a single speaker's messages) -- are reported but count against no limit.
-ALLOWED_DROPS = frozenset({"exact_duplicate", "near_duplicate", "no_assistant_turn"})
+# assistant turn (a single speaker's messages), a pair of identical replies (no preference: its
+# loss has no gradient) -- are reported but count against no limit.
+ALLOWED_DROPS = frozenset({"exact_duplicate", "near_duplicate", "no_assistant_turn", "identical_replies"})
+
+
+def rendered_counts(plan: w.Plan, split: str, stats: dict[str, dict]) -> dict[str, int]:
+    """What the manifest counts of a split's rendered conversations (their loss tokens) or
+    preference pairs (`pair_counts`)."""
+    return pair_counts(plan, split, stats) if plan.pairs else {"loss_tokens": loss_tokens(plan, split, stats)}
 
 
 def loss_tokens(plan: w.Plan, split: str, stats: dict[str, dict]) -> int:
@@ -409,6 +439,19 @@ def loss_tokens(plan: w.Plan, split: str, stats: dict[str, dict]) -> int:
     if split == "train" and not total:
         raise ValueError("the training conversations hold no assistant token to train on")
     return total
+
+
+def pair_counts(plan: w.Plan, split: str, stats: dict[str, dict]) -> dict[str, int]:
+    """The split's pairs and loss tokens, of both replies and of each. Both splits need pairs:
+    training learns from them, validation measures the preference on pairs it did not see."""
+    counts = {key: sum(stats[label][f"{split}_{key}"] for label in plan.labels)
+              for key in ("pairs", "chosen_loss_tokens", "rejected_loss_tokens")}
+    if not counts["pairs"]:
+        removed = {label: entry["removed"] for label, entry in stats.items()}
+        raise ValueError(f"the {split} split holds no preference pair that renders in a row (data.seq_len "
+                         f"+ 1 tokens); removed: {removed}. Add pairs, raise data.seq_len (too_long) or "
+                         "change data.val_fraction")
+    return {**counts, "loss_tokens": counts["chosen_loss_tokens"] + counts["rejected_loss_tokens"]}
 
 
 def shard_groups(split: str, pieces: tuple[str, ...], samples: int, dcfg: DataConfig, directory: Path,
@@ -443,19 +486,20 @@ def concatenate(parts: list[Path], path: Path) -> None:
 
 def preflight_tokenizer(cfg: Config) -> None:
     """The tokenizer to load, if one is configured or comes with the base, exists -- and for
-    conversations, with a chat template (the sources and the snapshot are checked by the
-    snapshot step's own preflight)."""
+    conversations and preference pairs, with a chat template (the sources and the snapshot are
+    checked by the snapshot step's own preflight)."""
     tokenizer_source(cfg)
-    if cfg.sft:
+    if cfg.fine_tuning:
         chat_template_of(cfg)
 
 
 def chat_template_of(cfg: Config) -> str:
-    """The template conversations are rendered with: data.chat_template, else the run's tokenizer's."""
+    """The template conversations (and preference pairs) are rendered with: data.chat_template,
+    else the run's tokenizer's."""
     source = tokenizer_source(cfg)
     if source is None:
-        raise ConfigError("sft renders conversations through the base's tokenizer and its chat template: set "
-                          "model.init_from (or data.tokenizer_path to a tokenizer directory)")
+        raise ConfigError(f"{cfg.objective} renders conversations through the base's tokenizer and its chat "
+                          "template: set model.init_from (or data.tokenizer_path to a tokenizer directory)")
     directory = str(source.parent)
     return resolve_template(cfg.data.chat_template, load_chat_tokenizer(directory), directory)
 
@@ -509,8 +553,9 @@ def build_fingerprint(cfg: Config, index: dict) -> str:
     digest.update(stage_named("data").code_hash().encode())
     if (source := tokenizer_source(cfg)) is not None:  # a loaded tokenizer counts by its content
         digest.update(f"tokenizer\0{sha256_file(source)}\0".encode())
-    if cfg.sft:
+    if cfg.fine_tuning:
         digest.update(f"chat_template\0{template_sha256(chat_template_of(cfg))}\0".encode())
+    if cfg.sft:
         digest.update(f"train_on\0{cfg.sft.train_on}\0".encode())
     for entry in index["sources"]:
         digest.update(f"{entry['label']}\0{entry['sha256']}\0".encode())
@@ -536,18 +581,19 @@ def up_to_date_manifest(out_dir: Path, build_key: str) -> dict | None:
     return manifest
 
 
-def source_entry(source: SourceConfig, conversations: bool = False) -> dict:
-    """The manifest's record of one source: provenance, then counts filled in as documents flow;
-    of conversations also, per split, those split at turn boundaries, the loss tokens and the
-    exchanges left out (alone longer than a row)."""
+def source_entry(source: SourceConfig, plan: w.Plan) -> dict:
+    """The manifest's record of one source: provenance, then counts filled in as documents flow,
+    per split its documents (of preference pairs: `pairs`), tokens and sequences; of
+    conversations also, per split, those split at turn boundaries, the loss tokens and the
+    exchanges left out (alone longer than a row); of pairs, the loss tokens of each reply."""
     where = {"path": source.path} if source.path else {"dataset": source.dataset} if source.dataset else {}
-    chat = {f"{split}_{key}": 0 for split in ("train", "val")
-            for key in ("split", "loss_tokens", "dropped_turns")}
+    rendered = (("chosen_loss_tokens", "rejected_loss_tokens") if plan.pairs
+                else ("split", "loss_tokens", "dropped_turns") if plan.conversations else ())
     return {"kind": source.kind, **where, "license": source.provenance or "unspecified",
             "weight": source.weight, "input": {"documents": 0, "bytes": 0}, "removed": {},
             "repaired_utf8": 0, "boilerplate_lines": 0, "pii_replaced": 0, "kept": 0,
-            "train_documents": 0, "train_tokens": 0, "train_sequences": 0,
-            "val_documents": 0, "val_tokens": 0, "val_sequences": 0, **(chat if conversations else {})}
+            **{f"{split}_{key}": 0 for split in ("train", "val")
+               for key in (plan.counted, "tokens", "sequences", *rendered)}}
 
 
 def tokenizer_file(path: str) -> Path:

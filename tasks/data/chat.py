@@ -20,6 +20,13 @@ tests/unit/test_chat_families.py checks each template family's trained tokens by
 `render_pieces` splits a conversation longer than a row at turn boundaries instead of cutting it
 (the data stage's way); `sft.train_on` picks every assistant turn or the last one, and a message's
 own `train` (true or false) overrides it for that turn (`trained_turns`).
+
+A preference pair (`pair_text`: a prompt and two replies to it, each a list of messages) is
+rendered as two conversations, prompt + chosen and prompt + rejected (`render_pair`), each by
+`render` with the prompt's assistant turns marked `"train": false` and the reply's `"train":
+true`: each mask is SFT's mask of that conversation on the reply and 0 on the prompt. Both must
+hold the same tokens before their first trained token -- the replies are compared given one
+context -- or the pair is refused (`PromptNotShared`).
 """
 
 from __future__ import annotations
@@ -52,9 +59,19 @@ TEMPLATE_VALUES = {"date_string": "26 Jul 2024"}
 class ChatTemplateError(ValueError):
     """A conversation cannot be rendered with the chat template, or there is no template."""
 
+    reason = "template_rejects"  # what the data stage's manifest counts a dropped record as
+
 
 class ToolCallsNotRendered(ChatTemplateError):
     """The chat template writes no tool call of an assistant turn that makes one."""
+
+    reason = "tool_calls_not_rendered"
+
+
+class PromptNotShared(ChatTemplateError):
+    """The two renderings of a preference pair differ before their replies."""
+
+    reason = "prompt_not_shared"
 
 
 @dataclass(frozen=True)
@@ -73,14 +90,44 @@ class Pieces:
     dropped_turns: int  # exchanges with a reply left out: alone (with the system turn) longer than a row
 
 
+@dataclass(frozen=True)
+class RenderedPair:
+    """A preference pair as the data stage trains on it: two conversations sharing a prompt."""
+
+    chosen: Rendered  # prompt + the preferred reply; its mask on the reply alone
+    rejected: Rendered  # prompt + the other reply
+    prompt_tokens: int  # the tokens both hold before their first trained one: the prompt, as read
+
+
+# A preference pair: its `prompt` and its two replies, `chosen` (preferred) and `rejected`, each a
+# list of messages; a reply opens with an assistant turn.
+Pair = dict[str, list[Message]]
+PAIR_SIDES = ("prompt", "chosen", "rejected")
+
+
+def _turn(message: Message) -> Message:
+    """A message's role and content, and an assistant turn's tool calls where it has them."""
+    return {"role": message["role"], "content": message["content"],
+            **({"tool_calls": message["tool_calls"]} if message.get("tool_calls") else {})}
+
+
 def conversation_text(messages: list[Message]) -> str:
     """A conversation as the JSON text the data stage carries it in (its identity for the split,
     mixing and dedup): roles and contents in order, an assistant turn's tool calls where it has
     them, and a message's `train` where it is given."""
-    return json.dumps([{"role": m["role"], "content": m["content"],
-                        **({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {}),
-                        **({"train": m["train"]} if "train" in m else {})}
-                       for m in messages], ensure_ascii=False)
+    return json.dumps([{**_turn(m), **({"train": m["train"]} if "train" in m else {})} for m in messages],
+                      ensure_ascii=False)
+
+
+def pair_text(pair: Pair) -> str:
+    """A preference pair as the JSON text the data stage carries it in (its identity for the
+    split, mixing and dedup): {prompt, chosen, rejected}, each a list of messages as
+    `conversation_text` writes them, less any `train` (a pair's shape says what it trains)."""
+    return json.dumps({side: [_turn(m) for m in pair[side]] for side in PAIR_SIDES}, ensure_ascii=False)
+
+
+def pair_of(text: str) -> Pair:
+    return json.loads(text)
 
 
 def trained_turns(messages: list[Message], train_on: TrainOn = "all_assistant") -> list[int]:
@@ -202,6 +249,32 @@ def render_pieces(tokenizer: PreTrainedTokenizerBase, messages: list[Message], m
     return Pieces([([messages[i] for i in piece],
                     render(tokenizer, [resolved[i] for i in piece], None, template, train_on))
                    for piece in pieces], dropped)
+
+
+def pair_conversations(pair: Pair) -> tuple[list[Message], list[Message]]:
+    """prompt + chosen and prompt + rejected, the prompt's assistant turns marked `"train": false`
+    and each reply's `"train": true`: what `render` trains of them is the reply alone."""
+    prompt = [{**m, "train": False} if m["role"] == "assistant" else m for m in pair["prompt"]]
+    return tuple([*prompt, *({**m, "train": True} if m["role"] == "assistant" else m for m in pair[side])]
+                 for side in ("chosen", "rejected"))
+
+
+def render_pair(tokenizer: PreTrainedTokenizerBase, pair: Pair,
+                chat_template: str | None = None) -> RenderedPair:
+    """Both conversations of a preference pair rendered whole (`pair_conversations`), each with
+    the mask `render` gives it. Raises PromptNotShared when they differ before their first trained
+    token: a template that writes the prompt according to what follows it (Mistral v3 puts the
+    system turn in the last user turn, which a reply of several exchanges moves), or a reply whose
+    first characters join the prompt's last token -- the replies would be scored given different
+    contexts."""
+    template = _template_text(tokenizer, chat_template)
+    chosen, rejected = (render(tokenizer, messages, None, template) for messages in pair_conversations(pair))
+    first = int(np.argmax(chosen.mask))
+    if int(np.argmax(rejected.mask)) != first or not np.array_equal(chosen.ids[:first], rejected.ids[:first]):
+        raise PromptNotShared("prompt + chosen and prompt + rejected differ before their replies as the chat "
+                              "template writes and the tokenizer splits them, so the replies would be scored "
+                              "given different contexts")
+    return RenderedPair(chosen, rejected, first)
 
 
 def _furthest(fits: Callable[[int], bool], most: int) -> int:

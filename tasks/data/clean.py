@@ -10,9 +10,14 @@ no assistant turn or one that opens it, no user turn -- its whitespace kept, an 
 left out, an assistant's tool calls kept (chat.py renders them, or refuses a template that drops them),
 optionally scrubbed of PII,
 and keyed on its roles and words; the line filters (boilerplate, repetition) and min_chars are
-for documents, not for the short turns of a chat. Across documents: exact dedup by the normalized text's
-hash, then near-dedup on the signatures' LSH bands, with the bands datasketch's MinHashLSH
-chooses.
+for documents, not for the short turns of a chat. A preference pair (`clean_pair`) is cleaned as
+a conversation on each side -- prompt, chosen and rejected -- and also dropped when a reply has no
+assistant turn (`no_completion`) or opens with another turn (`completion_not_reply`: the two
+conversations part before the reply, so they answer different prompts), or when its replies are
+the same (`identical_replies`); max_chars bounds the three sides together, and it is keyed on all
+three, each side by name (the same replies the other way round are another pair). Across
+documents: exact dedup by the normalized text's hash, then near-dedup on the signatures' LSH
+bands, with the bands datasketch's MinHashLSH chooses.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import numpy as np
 from datasketch import MinHash, MinHashLSH
 
 from forgeline.configs.schema import CleaningConfig
-from forgeline.tasks.data.chat import conversation_text
+from forgeline.tasks.data.chat import PAIR_SIDES, conversation_text, pair_text
 
 # Fixed so that signatures, and so the dedup decisions, are the same on every run.
 MINHASH_SEED = 1
@@ -97,32 +102,87 @@ def clean_conversation(data: bytes | None, cfg: CleaningConfig, with_signature: 
     turns = json.loads(text)
     if any(m["role"] not in ROLES for m in turns):
         return Cleaned("unknown_role")  # rendered, it would be a role the model never sees in use
-    # Whitespace inside a turn is kept (a code answer's indentation); an empty system turn says
-    # nothing and is left out, not its conversation. A message's `train` (chat.py) and an
-    # assistant's tool calls go with it.
-    messages = [{key: m[key] for key in ("role", "content", "tool_calls", "train") if key in m} for m in turns
-                if m["role"] != "system" or m["content"].strip()]
+    messages = kept_turns(turns)
     if not any(said(m) for m in messages):
         return Cleaned("empty")
     if not all(said(m) for m in messages):
         return Cleaned("empty_turn")
     if all(m["role"] != "assistant" for m in messages):
         return Cleaned("no_assistant_turn")
-    if all(m["role"] != "user" for m in messages):
-        return Cleaned("no_user_turn")  # [system, assistant]: a reply to nothing
-    if next(m["role"] for m in messages if m["role"] != "system") == "assistant":
-        return Cleaned("assistant_first")  # nothing prompts it: a model cannot learn when to say it
-    pii = 0
-    if cfg.scrub_pii:
-        for message in messages:
-            message["content"], count = replace_pii(message["content"])
-            pii += count
+    if reason := unprompted(messages):
+        return Cleaned(reason)
+    pii = scrub_turns(messages) if cfg.scrub_pii else 0
     if sum(len(m["content"]) for m in messages) > cfg.max_chars:
         return Cleaned("too_long")
     text = conversation_text(messages)
-    words = WORD.findall("\n".join(f"{m['role']}\n{m['content']}\n{json.dumps(m.get('tool_calls', ''))}"
-                                   for m in messages).lower())
+    words = WORD.findall(turns_text(messages).lower())
     return kept_text(text, words, cfg, with_signature, repaired=repaired, pii_replaced=pii)
+
+
+def clean_pair(data: bytes | None, cfg: CleaningConfig, with_signature: bool) -> Cleaned:
+    """A preference pair (chat.py `pair_text`) cleaned, or the reason it was dropped; its text is
+    the cleaned pair's."""
+    if data is None:
+        return Cleaned("too_long")
+    decoded = decode(data, cfg)
+    if decoded is None:
+        return Cleaned("invalid_utf8")
+    text, repaired = decoded
+    pair = {side: kept_turns(turns) for side, turns in json.loads(text).items()}
+    messages = [m for side in PAIR_SIDES for m in pair[side]]
+    if any(m["role"] not in ROLES for m in messages):
+        return Cleaned("unknown_role")
+    if not any(said(m) for m in messages):
+        return Cleaned("empty")
+    if not all(said(m) for m in messages):
+        return Cleaned("empty_turn")
+    replies = (pair["chosen"], pair["rejected"])
+    if any(all(m["role"] != "assistant" for m in reply) for reply in replies):
+        return Cleaned("no_completion")
+    if any(reply[0]["role"] != "assistant" for reply in replies):
+        return Cleaned("completion_not_reply")
+    if reason := unprompted(pair["prompt"]):
+        return Cleaned(reason)
+    pii = scrub_turns(messages) if cfg.scrub_pii else 0
+    if pair["chosen"] == pair["rejected"]:
+        return Cleaned("identical_replies")  # no preference to learn: the loss of such a pair has no gradient
+    if sum(len(m["content"]) for m in messages) > cfg.max_chars:
+        return Cleaned("too_long")
+    words = WORD.findall("\n".join(f"{side}\n{turns_text(pair[side])}" for side in PAIR_SIDES).lower())
+    return kept_text(pair_text(pair), words, cfg, with_signature, repaired=repaired, pii_replaced=pii)
+
+
+def kept_turns(turns: list[dict]) -> list[dict]:
+    """The turns a conversation keeps: whitespace inside a turn is kept (a code answer's
+    indentation); an empty system turn says nothing and is left out, not its conversation. A
+    message's `train` (chat.py) and an assistant's tool calls go with it."""
+    return [{key: m[key] for key in ("role", "content", "tool_calls", "train") if key in m} for m in turns
+            if m["role"] != "system" or m["content"].strip()]
+
+
+def unprompted(messages: list[dict]) -> str | None:
+    """Why a conversation (or a pair's prompt) prompts no reply, if it does not: it has no user
+    turn (`[system, assistant]`: a reply to nothing), or an assistant turn opens it (nothing
+    prompts that turn: a model cannot learn when to say it)."""
+    if all(m["role"] != "user" for m in messages):
+        return "no_user_turn"
+    if next(m["role"] for m in messages if m["role"] != "system") == "assistant":
+        return "assistant_first"
+    return None
+
+
+def scrub_turns(messages: list[dict]) -> int:
+    """Replaces PII in the messages' contents, in place; returns how many matches were replaced."""
+    pii = 0
+    for message in messages:
+        message["content"], count = replace_pii(message["content"])
+        pii += count
+    return pii
+
+
+def turns_text(messages: list[dict]) -> str:
+    """What dedup compares of a conversation: its roles, contents and tool calls."""
+    return "\n".join(f"{m['role']}\n{m['content']}\n{json.dumps(m.get('tool_calls', ''))}" for m in messages)
 
 
 def said(message: dict) -> bool:

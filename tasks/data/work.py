@@ -20,11 +20,13 @@ worker changes nothing. The phases, in build.py's order:
 3. `tokenize_piece`: a range of mixing keys (sorted: the training order) or a partition's
    validation documents, tokenized, each document followed by EOS -- or, for supervised
    fine-tuning, conversations rendered through the chat template (chat.py) with their loss
-   masks, one longer than a row split at turn boundaries into pieces that fit (`render_pieces`).
+   masks, one longer than a row split at turn boundaries into pieces that fit (`render_pieces`);
+   for preference tuning, each pair as its two conversations (`render_pair`), one after the
+   other, the rejected one's mask 2 (shards.py), a pair longer than a row dropped (never cut).
 4. `write_shard_group`: shards cut from the split's token stream -- the pieces in order -- with
    the sequences each source contributes to. Conversations are not cut: they are packed whole,
    several to a row, in stream order (`pack_rows`, decided by build.py over the whole split),
-   the rest of a row padded and masked out.
+   the rest of a row padded and masked out; a pair's two conversations are packed as one.
 """
 
 from __future__ import annotations
@@ -41,16 +43,17 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from forgeline.configs.schema import CleaningConfig
-from forgeline.model.training.shards import write_shard
+from forgeline.model.training.shards import CHOSEN, REJECTED, write_shard
 from forgeline.tasks.data.chat import (
     ChatTemplateError,
-    ToolCallsNotRendered,
     conversation_of,
     load_chat_tokenizer,
+    pair_of,
+    render_pair,
     render_pieces,
     trained_turns,
 )
-from forgeline.tasks.data.clean import Cleaned, clean_conversation, clean_document, lsh_bands
+from forgeline.tasks.data.clean import Cleaned, clean_conversation, clean_document, clean_pair, lsh_bands
 from forgeline.tasks.data.snapshot import Member, read_member
 
 # Records of the shuffle: the bucket (which reducer), the key, the document.
@@ -65,6 +68,9 @@ PIECE_DOCS = np.dtype([("length", "<i8"), ("source", "<i2")])  # per tokenized d
 EXAMPLES = 3
 PIECE_CONVERSATIONS = np.dtype([("length", "<i8"), ("source", "<i2"), ("first", "?"),
                                 ("loss_tokens", "<i8")])
+# Per rendered conversation of a preference pair (its chosen one, then its rejected one): its
+# length, source, which reply it holds (CHOSEN or REJECTED) and that reply's loss tokens.
+PIECE_PAIRS = np.dtype([("length", "<i8"), ("source", "<i2"), ("reply", "u1"), ("loss_tokens", "<i8")])
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,12 @@ class Plan:
     buckets: int  # reducers of the dedup shuffle
     partition_firsts: tuple[int, ...]  # the first document of each partition
     conversations: bool = False  # the documents are conversations (supervised fine-tuning)
+    pairs: bool = False  # the documents are preference pairs (preference tuning)
+
+    @property
+    def counted(self) -> str:
+        """What the manifest counts a source's kept documents as, per split."""
+        return "pairs" if self.pairs else "documents"
 
     @property
     def ranges(self) -> int:
@@ -120,11 +132,12 @@ class BucketWork:
 class ChatWork:
     """How conversations are rendered: the Hugging Face tokenizer directory holding the chat
     template, the tokens of a row, which a longer conversation is split to fit, and the
-    assistant turns trained (sft.train_on)."""
+    assistant turns trained (sft.train_on); or whether they are preference pairs."""
 
     tokenizer: str
     row_tokens: int
     train_on: str = "all_assistant"
+    pairs: bool = False
 
 
 @dataclass(frozen=True)
@@ -182,7 +195,7 @@ def clean_partition(work: PartitionWork) -> CleanSummary:
     code = {label: index for index, label in enumerate(plan.labels)}
     summary = CleanSummary({}, {}, {}, {})
     kept: list[tuple[int, int, Cleaned, str]] = []
-    clean = clean_conversation if plan.conversations else clean_document
+    clean = clean_pair if plan.pairs else clean_conversation if plan.conversations else clean_document
     for member in work.members:
         for offset, raw in enumerate(read_member(Path(plan.raw_dir), member)):
             source = code[raw.source]
@@ -374,7 +387,7 @@ def tokenize_piece(work: PieceWork) -> dict[int, list[int]]:
     if work.chat is not None:
         names = ([f"{plan.labels[source]} document {doc}" for _, doc, source, _, _ in records]
                  if work.split == "train" else [name for _, _, name, _ in records])
-        return render_piece(work, texts_sources, names)
+        return (render_pair_piece if work.chat.pairs else render_piece)(work, texts_sources, names)
     tokenizer = load_tokenizer(work.tokenizer)
     # The _fast variant skips character offsets, which packing does not need.
     encodings = tokenizer.encode_batch_fast([text for text, _ in texts_sources], add_special_tokens=False)
@@ -411,19 +424,15 @@ def render_piece(work: PieceWork, texts_sources: list[tuple[str, int]], names: l
         messages = conversation_of(text)
         try:
             split = render_pieces(tokenizer, messages, work.chat.row_tokens, train_on=work.chat.train_on)
-        except ToolCallsNotRendered as err:
-            reason, why = "tool_calls_not_rendered", str(err)
         except ChatTemplateError as err:
-            reason, why = "template_rejects", str(err)
+            reason, why = err.reason, str(err)
         else:
             reason, why = ((None, "") if split.rendered
                            else ("too_long", "no exchange fits in a row")
                            if trained_turns(messages, work.chat.train_on)
                            else ("no_trained_turn", 'every assistant turn says "train": false'))
         if reason is not None:
-            counts = dropped.setdefault(source, {})
-            counts[reason] = counts.get(reason, 0) + 1
-            add_example(examples, source, f"{name}: {reason} ({why})")
+            count_drop(dropped, examples, source, f"{name}: {reason} ({why})", reason)
             continue
         dropped_turns[source] = dropped_turns.get(source, 0) + split.dropped_turns
         several[source] = several.get(source, 0) + (len(split.rendered) > 1)
@@ -449,6 +458,64 @@ def render_piece(work: PieceWork, texts_sources: list[tuple[str, int]], names: l
                                int(mine["loss_tokens"].sum()), dropped.get(source, {}),
                                dropped_turns.get(source, 0), examples.get(source, [])]
     return counts
+
+
+def render_pair_piece(work: PieceWork, texts_sources: list[tuple[str, int]], names: list[str],
+                      ) -> dict[int, list]:
+    """The piece's preference pairs rendered through the chat template (chat.py `render_pair`):
+    per pair its chosen conversation then its rejected one, their token ids one after the other,
+    their masks with the rejected one's trained tokens REJECTED (2) and the chosen one's CHOSEN
+    (1), and per conversation its length, source, reply and loss tokens; the validation split's
+    pairs also as text (val_docs.jsonl: `text` the chosen conversation, `rejected_text` the
+    other). A pair that the template does not render as trained is dropped by the reason chat.py
+    gives (template_rejects, tool_calls_not_rendered, prompt_not_shared), one whose two
+    conversations together do not fit in a row as too_long -- never cut. Returns per source index
+    [pairs, tokens, chosen loss tokens, rejected loss tokens, dropped pairs by reason, examples of
+    drops]."""
+    plan, tokenizer = work.plan, load_chat_tokenizer(work.chat.tokenizer)
+    rendered, dropped, examples = [], {}, {}
+    for (text, source), name in zip(texts_sources, names, strict=True):
+        pair = pair_of(text)
+        try:
+            both = render_pair(tokenizer, pair)
+        except ChatTemplateError as err:
+            count_drop(dropped, examples, source, f"{name}: {err.reason} ({err})", err.reason)
+            continue
+        if (length := len(both.chosen.ids) + len(both.rejected.ids)) > work.chat.row_tokens:
+            count_drop(dropped, examples, source, f"{name}: too_long ({length} tokens for the two "
+                       f"conversations, a row holds {work.chat.row_tokens})", "too_long")
+            continue
+        rendered.append((source, name, pair, both))
+    if work.split == "val":
+        write_bytes(work.stem.with_suffix(".jsonl"), "".join(
+            json.dumps({"source": plan.labels[source], "name": name, "text": both.chosen.text,
+                        "rejected_text": both.rejected.text, **pair}) + "\n"
+            for source, name, pair, both in rendered).encode())
+    sequences = [(source, reply, chat) for source, _, _, both in rendered
+                 for reply, chat in ((CHOSEN, both.chosen), (REJECTED, both.rejected))]
+    docs = np.array([(len(chat.ids), source, reply, int(chat.mask.sum()))
+                     for source, reply, chat in sequences], dtype=PIECE_PAIRS)
+    write_array(Path(f"{work.stem}.ids.npy"), np.concatenate(
+        [chat.ids for _, _, chat in sequences] or [np.zeros(0, np.int64)]).astype(work.dtype))
+    write_array(Path(f"{work.stem}.mask.npy"), np.concatenate(
+        [chat.mask * np.uint8(reply) for _, reply, chat in sequences] or [np.zeros(0, np.uint8)]))
+    write_array(Path(f"{work.stem}.docs.npy"), docs)
+    counts: dict[int, list] = {}
+    for source in sorted({*np.unique(docs["source"]).tolist(), *dropped}):
+        mine = docs[docs["source"] == source]
+        chosen, rejected = mine[mine["reply"] == CHOSEN], mine[mine["reply"] == REJECTED]
+        counts[int(source)] = [len(chosen), int(mine["length"].sum()), int(chosen["loss_tokens"].sum()),
+                               int(rejected["loss_tokens"].sum()), dropped.get(source, {}),
+                               examples.get(source, [])]
+    return counts
+
+
+def count_drop(dropped: dict[int, dict[str, int]], examples: dict[int, list[str]], source: int, example: str,
+               reason: str) -> None:
+    """A record of `source` dropped by `reason` counted, and kept as an example while there are few."""
+    counts = dropped.setdefault(source, {})
+    counts[reason] = counts.get(reason, 0) + 1
+    add_example(examples, source, example)
 
 
 @functools.lru_cache(maxsize=1)
@@ -503,13 +570,15 @@ def pack_rows(lengths: np.ndarray, row_tokens: int) -> np.ndarray:
     return np.array(firsts + [len(lengths)], np.int64)
 
 
-def write_packing(stem: Path, pieces: tuple[str, ...], row_tokens: int) -> int:
+def write_packing(stem: Path, pieces: tuple[str, ...], row_tokens: int, per_unit: int = 1) -> int:
     """Packs a split's conversations (its pieces in order) into rows, written beside `stem`: the
-    conversations' stream offsets and sources, each row's first conversation. Returns the rows."""
+    conversations' stream offsets and sources, each row's first conversation. Each `per_unit`
+    consecutive conversations are packed as one (2: a preference pair's, which share a row).
+    Returns the rows."""
     docs = np.concatenate([np.load(f"{piece}.docs.npy") for piece in pieces])
     write_array(stem.with_suffix(".offsets.npy"), np.concatenate([[0], np.cumsum(docs["length"])]))
     write_array(stem.with_suffix(".sources.npy"), docs["source"])
-    rows = pack_rows(docs["length"], row_tokens)
+    rows = pack_rows(docs["length"].reshape(-1, per_unit).sum(axis=1), row_tokens) * per_unit
     write_array(stem.with_suffix(".rows.npy"), rows)
     return len(rows) - 1
 

@@ -107,8 +107,8 @@ def test_a_source_whose_files_are_unchanged_is_not_read_again(tmp_path: Path,
     before = files_of(raw)
     read = []
     original = snapshot.read_source
-    monkeypatch.setattr(snapshot, "read_source", lambda source, max_chars: read.append(source.label)
-                        or original(source, max_chars))
+    monkeypatch.setattr(snapshot, "read_source", lambda source, max_chars, pairs: read.append(source.label)
+                        or original(source, max_chars, pairs))
     assert not take_snapshot(cfg).written and read == [] and files_of(raw) == before
 
     # Touched (same bytes): read again, and the snapshot is still the same.
@@ -132,8 +132,8 @@ def test_a_dataset_builder_over_unchanged_local_files_is_not_read_again(
     take_snapshot(cfg)
     read = []
     original = snapshot.read_source
-    monkeypatch.setattr(snapshot, "read_source", lambda source, max_chars: read.append(source.label)
-                        or original(source, max_chars))
+    monkeypatch.setattr(snapshot, "read_source", lambda source, max_chars, pairs: read.append(source.label)
+                        or original(source, max_chars, pairs))
     assert not take_snapshot(cfg).written and read == []
     docs.write_text(docs.read_text() + json.dumps({"text": SCENES[40]}) + "\n")
     assert take_snapshot(cfg).written and read == ["builder"]
