@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from forgeline.configs.environment import PROGRESS_BARS_OFF
 from forgeline.configs.redaction import ScrubURLCredentials
+from forgeline.tasks.stage import STAGE_NAMES
 from forgeline.tasks.stage_log import running_stage_name
 
 # The libraries' progress bars, and the INFO lines of Prefect's own console handler in the
@@ -73,6 +74,9 @@ def shown_by_default(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.ERROR
 
 
+STAGE_COLUMN = max(map(len, STAGE_NAMES)) + 1  # the stage's name and a space: messages line up
+
+
 class EventFormatter(logging.Formatter):
     """'21:04:05 train    [rank0] step 5/20  loss 6.659': the time, the stage running in the
     record's context, 'warning: ' or 'error: ' above INFO, the message. Another library's record
@@ -85,10 +89,10 @@ class EventFormatter(logging.Formatter):
         level = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
         message = record.getMessage()
         if not is_forgelines(record):
-            return f"{when} {stage:<9}{level}{message.splitlines()[0] if message else ''}"
+            return f"{when} {stage:<{STAGE_COLUMN}}{level}{message.splitlines()[0] if message else ''}"
         if record.exc_info and not record.exc_text:
             record.exc_text = self.formatException(record.exc_info)
-        text = f"{when} {stage:<9}{level}{message}"
+        text = f"{when} {stage:<{STAGE_COLUMN}}{level}{message}"
         return f"{text}\n{record.exc_text}" if record.exc_text else text
 
 
@@ -134,8 +138,8 @@ class ConsoleHandler(logging.StreamHandler):
             if self.bar is None:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total, desc=f"{stage:<8}", file=self.stream, dynamic_ncols=True,
-                                leave=True, disable=False, mininterval=0,
+                self.bar = tqdm(total=total, desc=f"{stage:<{STAGE_COLUMN - 1}}", file=self.stream,
+                                dynamic_ncols=True, leave=True, disable=False, mininterval=0,
                                 bar_format="{desc} {percentage:3.0f}%|{bar}| {n}/{total} "
                                            "[{elapsed}<{remaining}]{postfix}")
                 self.bar_of = stage

@@ -18,6 +18,7 @@ from mlflow import MlflowClient
 from forgeline.flows.cli import build_parser
 from forgeline.flows.console import (
     QUIET_ENV,
+    STAGE_COLUMN,
     ConsoleHandler,
     EventFormatter,
     configure_console,
@@ -66,10 +67,11 @@ def test_the_default_console_shows_forgeline_events_and_other_libraries_errors_o
     logging.getLogger("py.warnings").warning("UserWarning: Add type hints to the `predict` method")
     logging.getLogger("a.library").error("a library's error")
     lines = stream.getvalue().splitlines()
+    column = " " * STAGE_COLUMN  # no stage running: the messages line up under the stages' lines
     assert [line[9:] for line in lines] == [
-        "         stage train runs (no record of an earlier run)",
-        "         warning: the API did not answer",
-        "         error: a library's error",
+        f"{column}stage train runs (no record of an earlier run)",
+        f"{column}warning: the API did not answer",
+        f"{column}error: a library's error",
     ]
     assert all(line[2] == ":" and line[5] == ":" for line in lines)  # HH:MM:SS, once
 
@@ -79,7 +81,7 @@ def test_a_line_names_the_stage_running_in_its_context(console, tmp_path: Path) 
     cfg = debug_config(tmp_path)
     with tracked_run(cfg, "train") as run, stage_log("train", cfg, run):
         logging.getLogger("forgeline.tasks.train.job").info("launching")
-    assert stream.getvalue().splitlines()[-1][9:] == "train    launching"
+    assert stream.getvalue().splitlines()[-1][9:] == "train".ljust(STAGE_COLUMN) + "launching"
 
 
 def test_a_rank_line_is_relayed_at_its_level_with_one_time_stamp_and_its_step_as_progress(
@@ -222,4 +224,4 @@ def test_a_stage_that_fails_leaves_its_traceback_in_the_file_and_names_it_on_the
     text = (tmp_path / "logs" / "data.log").read_text()
     assert "stage data stopped: ValueError: no such token" in text and "Traceback" in text
     assert stream.getvalue().splitlines()[-1][9:] == \
-        f"data     error: stage data failed; its full log: {tmp_path / 'logs' / 'data.log'}"
+        "data".ljust(STAGE_COLUMN) + f"error: stage data failed; its full log: {tmp_path / 'logs/data.log'}"
