@@ -283,19 +283,26 @@ def load_reference(directory: Path, split: str) -> np.ndarray:
     return np.load(directory / f"{split}.npy", mmap_mode="r")
 
 
+def reference_written(directory: Path, device: torch.device) -> bool:
+    """Collective: whether a run wrote the reference log-probabilities in `directory` before --
+    as global rank 0 sees it, so that every rank takes the same way."""
+    found = torch.tensor([int((directory / REFERENCE_RECORD).is_file())], device=device)
+    dist.broadcast(found, src=0)
+    if found.item():
+        log.info("reference log-probabilities from %s", directory)
+    return bool(found.item())
+
+
 def reference_log_probs(log_probs_of: Callable[[torch.Tensor | object], torch.Tensor | None],
                         loaders: dict[str, ShardedSampleLoader], directory: Path, identity: dict,
                         contributes: bool, device: torch.device) -> None:
-    """Collective: every split's reference log-probabilities into `directory`, unless a run wrote
-    them there before. `log_probs_of(batch)` is the step's forward-only (B, T) log-probabilities
-    of a batch's reply tokens (TrainStep.target_log_probs: the model as it is now, the reference);
+    """Collective: every split's reference log-probabilities into `directory`. `log_probs_of(batch)`
+    is the step's forward-only (B, T) log-probabilities of a batch's reply tokens
+    (TrainStep.target_log_probs: the model as it is now, the reference);
     each rank computes its slices of the split's global batches, one rank of each slice's model
     parts (`contributes`: the last pipeline stage, tensor-parallel rank 0) adds them to an array
     of the split summed over all ranks, and global rank 0 writes the arrays, whole or not at
     all."""
-    if (directory / REFERENCE_RECORD).is_file():
-        log.info("reference log-probabilities from %s", directory)
-        return
     started = time.perf_counter()
     arrays = {split: reference_of_split(log_probs_of, loader, contributes, device)
               for split, loader in loaders.items()}

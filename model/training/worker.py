@@ -68,6 +68,7 @@ from forgeline.model.training.preference import (
     load_reference,
     reference_dir,
     reference_log_probs,
+    reference_written,
 )
 from forgeline.model.training.shards import MANIFEST_NAME, read_manifest, split_shards
 from forgeline.model.training.step import TrainStep, scaled_loss
@@ -196,7 +197,7 @@ def train(cfg: Config, device: torch.device, rank: int, world_size: int, run_id:
     if cfg.preference and cfg.preference.loss != "simpo":  # SimPO has no reference
         # The model it starts from, before any checkpoint of the run replaces its weights.
         identity = {"data_manifest": data_manifest["sha256"], "base": base["weights_sha256"],
-                    "dtype": str(param_dtype), "model": shape.model_dump(mode="json")}
+                    "dtype": str(param_dtype), "model": shape.model_dump(mode="json", exclude={"init_from"})}
         reference = reference_dir(data_dir, identity)
         based = ensure_reference(cfg, train_step, mesh, loader, data_dir, manifest, reference, identity, base,
                                  shape)
@@ -268,7 +269,7 @@ def ensure_reference(cfg: Config, train_step: TrainStep, mesh: DeviceMesh, loade
     `directory`, computed by the model as it starts -- the base, its adapters (if any) at their
     initialization, which adds nothing -- unless a run computed them before. Returns whether the
     base's weights were loaded for it."""
-    if (directory / "reference.json").is_file():
+    if reference_written(directory, train_step.device):
         return False
     load_base(train_step.parts, base, shape)
     loaders = {"train": loader}
