@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-IGNORED = -100  # a target outside the replies (cross_entropy's ignore_index)
+IGNORED = -100  # a target outside the loss mask -- here, outside the replies (cross_entropy's ignore_index)
 TARGET_ID, SIDE, PAIR, REFERENCE = range(4)  # the fields of a preference target
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
          "logps/rejected")
@@ -94,7 +94,7 @@ def reply_starts(documents: torch.Tensor, sides: torch.Tensor) -> torch.Tensor:
     return (side > 0) & ((side != previous_side) | (doc != previous_doc))
 
 
-def pair_count(tokens: torch.Tensor, documents: torch.Tensor, sides: torch.Tensor) -> int:
+def pair_count(documents: torch.Tensor, sides: torch.Tensor) -> int:
     """The pairs of (B, T + 1) packed pairs: their chosen replies."""
     return int((reply_starts(documents, sides) & (sides[:, 1:] == CHOSEN)).sum())
 

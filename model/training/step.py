@@ -36,12 +36,17 @@ from forgeline.model.parallel.tied import TiedEmbeddingCopies
 from forgeline.model.training.amp import DynamicLossScaler
 from forgeline.model.training.loader import DocumentBatch
 from forgeline.model.training.optim import clip_coefficient, clip_grad_norm_
-from forgeline.model.training.preference import PreferenceObjective, counted, pair_count, preference_targets
+from forgeline.model.training.preference import (
+    IGNORED,
+    PreferenceObjective,
+    counted,
+    pair_count,
+    preference_targets,
+)
 
 V_SCHEDULE_CLASSES = tuple(get_schedule_class(name) for name in sorted(V_SCHEDULES))
 ACTIVATION_DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # what stages pass on
 Batch = torch.Tensor | DocumentBatch  # (B, T + 1) token ids, with their documents or without
-IGNORED = -100  # a target outside the loss mask (cross_entropy's ignore_index)
 
 
 @dataclass
@@ -133,7 +138,7 @@ def counted_positions(targets: torch.Tensor) -> torch.Tensor:
 def loss_token_count(batches: list[Batch]) -> int:
     """The masked targets of `batches` -- their pairs, of preference pairs -- (0 when they carry no
     loss mask)."""
-    return sum(pair_count(batch.tokens, batch.documents, batch.sides) if batch.sides is not None
+    return sum(pair_count(batch.documents, batch.sides) if batch.sides is not None
                else int(batch.loss_mask[:, 1:].sum()) for batch in batches
                if isinstance(batch, DocumentBatch) and batch.loss_mask is not None)
 
