@@ -52,7 +52,13 @@ Also reported: tokens/s with padding (forgeline's rows, batch x seq_len; TRL's p
 Sanity check that both compute the same function: the first step's loss (log 2 on both, the
 policy being its reference), the policy's mean summed log-probabilities of the chosen and
 rejected replies (TRL's logps/* metrics) and the gradient norm before clipping, and the losses of
-the later steps; and the references of the two sides, per reply.
+the later steps; and the references of the two sides, per reply. The full model's gradients
+differ in one row of the tied embedding: transformers builds SmolLM2's embedding with padding_idx
+= its pad_token_id, 2, which is <|im_end|> -- the end of every prompt turn --, so TRL's backward
+leaves out that row's input-side gradient and forgeline's does not (measured on the first batch:
+with padding_idx None the Hugging Face gradient is forgeline's within 1e-5); hence full-model
+gradient norms ~1e-4 apart and later losses drifting apart, where LoRA's (the embedding frozen)
+stay within ~1e-6.
 
 After `--warmup` untimed steps each, rounds of `--steps` timed steps run each variant, the
 order rotated each round to spread machine noise; reported per round and as medians: forgeline ÷
