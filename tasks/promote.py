@@ -75,6 +75,9 @@ log = logging.getLogger(__name__)
 CHAMPION_ALIAS = "champion"
 DECISION_TAG = "forgeline.promotion"
 EVIDENCE_TAG_PREFIX = "forgeline.promotion."  # + "versus": the champion the decision faced
+# On a version trained from a base: the base's `model.init_from`, as train/job.py base_tags names it on
+# the train run. The register stage sets it (tasks/register.py version_tags).
+BASE_TAG = "forgeline.base"
 # The rest of the evidence, in one tag (JSON: "overall", "shared_items", "dimension/<name>",
 # "p_values", "resolution"): one tag each filled MLflow's versions list with a column per row.
 EVIDENCE_TAG = f"{EVIDENCE_TAG_PREFIX}evidence"
