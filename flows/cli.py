@@ -194,8 +194,9 @@ def add_registry_parsers(verbs: argparse._SubParsersAction) -> None:
         "promote", help="move alias `champion` to a model version if the promotion gate passes",
         description="Apply the promotion gate (registry.promotion_margin, "
                     "registry.max_dimension_regression) to a version of registry.model_name and move "
-                    "alias `champion` to it if it passes. The register stage does this for every new "
-                    "version; use this after changing the gate, or --force to roll back.")
+                    "alias `champion` to it if it passes; while there is no champion, a version trained "
+                    "from a base (model.init_from) faces its base the same way. The register stage does "
+                    "this for every new version; use this after changing the gate, or --force to roll back.")
     add_config_arguments(promote)
     promote.add_argument("--version", help="model version (default: the one aliased `candidate`)")
     promote.add_argument("--force", action="store_true",

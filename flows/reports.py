@@ -1,7 +1,7 @@
 """The register stage's Prefect artifact: the version it registered, where the aliases point now
 and what moved, and the promotion gate's decision with the per-dimension intervals against the
-champion it faced -- read back from the registry, where the gate recorded them as the version's
-tags and description (tasks/promote.py)."""
+champion it faced (with none, its base) -- read back from the registry, where the gate recorded
+them as the version's tags and description (tasks/promote.py)."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def registration_markdown(cfg: Config, result: RegisterResult) -> str:
              f"- aliases now: {now}",
              f"- alias moves: {alias_moves(result, decision, champion)}"]
     if evidence:
-        lines += ["", f"Candidate minus champion ({evidence.get('versus', 'the champion')}), with the 95 % "
-                      f"interval, on {evidence.get('shared_items', '?')} shared items:", "",
+        lines += ["", f"Candidate minus {faced(evidence.get('versus'))}, with the 95 % interval, on "
+                      f"{evidence.get('shared_items', '?')} shared items:", "",
                   "| | difference [95 % interval] |", "|---|---|",
                   f"| **overall** | {evidence.get('overall', '')} |"]
         lines += [f"| {key.removeprefix(DIMENSION)} | {value} |" for key, value in evidence.items()
@@ -52,12 +52,20 @@ def registration_markdown(cfg: Config, result: RegisterResult) -> str:
     return "\n".join(lines) + "\n"
 
 
+def faced(versus: str | None) -> str:
+    """What the evidence's `versus` tag says the candidate faced: `champion (version 1)`, or
+    `its base URI` while the line had no champion."""
+    if versus is None:
+        return "the champion"
+    return f"champion ({versus})" if versus.startswith("version ") else versus
+
+
 def alias_moves(result: RegisterResult, decision: str, champion: str | None) -> str:
     """What this registration did to the aliases, as far as the version's record tells."""
     moves = [f"@{CANDIDATE_ALIAS} -> v{result.version}"]
     if "decided on before" in result.promotion:
         return f"none by this run: v{result.version} was registered and decided on before"
-    before = re.search(r"version (\d+)", decision)
+    before = re.match(r"promoted: (?:versus|forced over) version (\d+)", decision)
     if decision.startswith("promoted") and champion == str(result.version):
         moves.append(f"@{CHAMPION_ALIAS} -> v{result.version}"
                      + (f" (from v{before[1]})" if before else " (no champion before)"))

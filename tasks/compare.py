@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import mlflow
 from mlflow import MlflowClient
@@ -21,6 +23,7 @@ from forgeline.tasks.evaluate import ITEMS_NAME, EvaluatedItems, windows
 log = logging.getLogger(__name__)
 
 MISSING = "-"
+Read = TypeVar("Read")  # what read_run_items reads from an items.json
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,24 @@ def run_items(client: MlflowClient, run_id: str) -> EvaluatedItems | None:
     """The per-item eval results among one run's own artifacts; None when it has none, or only
     ones written before evaluations could be paired. A tracking server or artifact store that
     fails to answer raises: that the items could not be read says nothing about the run."""
+    return read_run_items(client, run_id, EvaluatedItems.read)
+
+
+def run_items_beside_base(client: MlflowClient, run_id: str) -> tuple[EvaluatedItems, EvaluatedItems] | None:
+    """The per-item eval results among one run's own artifacts and its base's on the same items,
+    scored alike (the eval stage's items.json of a run from a base); None when it has none, or no
+    base's (a run trained from scratch). Failures as run_items'."""
+    return read_run_items(client, run_id, model_and_base)
+
+
+def model_and_base(path: Path) -> tuple[EvaluatedItems, EvaluatedItems] | None:
+    if "base" not in json.loads(path.read_text()):
+        return None
+    return EvaluatedItems.read(path), EvaluatedItems.read(path, which="base")
+
+
+def read_run_items(client: MlflowClient, run_id: str, read: Callable[[Path], Read | None]) -> Read | None:
+    """`read` of the run's own items.json; None when it has none, or one without a suite record."""
     folder = ITEMS_ARTIFACT.rpartition("/")[0]
     if ITEMS_ARTIFACT not in {entry.path for entry in client.list_artifacts(run_id, folder)}:
         return None
@@ -90,7 +111,7 @@ def run_items(client: MlflowClient, run_id: str) -> EvaluatedItems | None:
         path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=ITEMS_ARTIFACT,
                                                    dst_path=scratch, tracking_uri=client.tracking_uri)
         try:
-            return EvaluatedItems.read(Path(path))
+            return read(Path(path))
         except json.JSONDecodeError:  # a damaged artifact: an error, not an absence
             raise
         except ValueError as err:  # an items.json without a suite record

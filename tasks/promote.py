@@ -20,14 +20,19 @@ likewise.
   - inconclusive: anything else -- no dimension decided. The decision then states the minimum
     detectable difference at the current item counts and the limits that would resolve a
     difference the size of d.
-The first version becomes champion (there is nothing to compare with); `--force` moves the alias
-regardless. A version whose registration is incomplete (tasks/register.py) is never judged, nor
-made champion. Where no comparison can be made here (the candidate has no per-item results, or the
-champion would have to be evaluated on a suite this code and data do not render), the decision
+While the line has no champion, a candidate trained from a base (`model.init_from`) faces its base
+as it would a champion -- these rules, on the items the eval stage scored both on (items.json's
+`base`, logged with the version's run), the base named by the version's BASE_TAG --: promoted,
+rejected or inconclusive alike, the alias staying unset unless promoted: the first champion is
+never a model the evidence says is worse than what the line started from. A candidate with no base
+among its per-item results (trained from scratch) becomes the first champion. `--force` moves the
+alias regardless. A version whose registration is incomplete (tasks/register.py) is never judged,
+nor made champion. Where no comparison can be made here (the candidate has no per-item results, or
+the champion would have to be evaluated on a suite this code and data do not render), the decision
 is inconclusive, saying why: the version stays registered and the alias where it was. A registry
 or artifact store that fails to answer is an error, never a decision. Every decision is a set of
-version tags: the outcome with the champion it was compared with and its reasons, and the
-intervals it rests on.
+version tags: the outcome with the champion (or base) it was compared with and its reasons, and
+the intervals it rests on.
 
 The candidate's per-item results are the eval stage's items.json, logged with the version's
 run by the register stage; the champion's too. When the champion's do not cover the candidate's
@@ -39,7 +44,8 @@ Decisions are serialized by the promotion lock (`promotion_lock`), so that two r
 once cannot both move the alias on a comparison with the same champion. The gate decides outside
 it (an evaluation of the champion can take minutes); under it, the champion is read again and the
 decision recorded and the alias moved only if the champion is still the one the decision was made
-against -- else the gate decides again, against the new one.
+against (still none, for a decision against the base) -- else the gate decides again, against the
+new one.
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ from forgeline.configs import Config
 from forgeline.eval.scores import ALPHA, detectable_difference, holm, paired_comparison
 from forgeline.eval.suite import render_suite, suite_fingerprint, suite_task_manager
 from forgeline.model.hf import model_shape_from_hf
-from forgeline.tasks.compare import ITEMS_ARTIFACT, logged_items
+from forgeline.tasks.compare import ITEMS_ARTIFACT, logged_items, run_items_beside_base
 from forgeline.tasks.evaluate import EvaluatedItems, cached_scores
 from forgeline.tasks.pretrained import check_complete, registered_export, registry_key
 
@@ -74,7 +80,10 @@ log = logging.getLogger(__name__)
 
 CHAMPION_ALIAS = "champion"
 DECISION_TAG = "forgeline.promotion"
-EVIDENCE_TAG_PREFIX = "forgeline.promotion."  # + "versus": the champion the decision faced
+EVIDENCE_TAG_PREFIX = "forgeline.promotion."  # + "versus": the champion (or base) the decision faced
+# On a version trained from a base: the base's `model.init_from`, as train/job.py base_tags names it on
+# the train run. The register stage sets it (tasks/register.py version_tags); the gate names the base by it.
+BASE_TAG = "forgeline.base"
 # The rest of the evidence, in one tag (JSON: "overall", "shared_items", "dimension/<name>",
 # "p_values", "resolution"): one tag each filled MLflow's versions list with a column per row.
 EVIDENCE_TAG = f"{EVIDENCE_TAG_PREFIX}evidence"
@@ -224,10 +233,42 @@ def resolution(comparison: dict, plan: dict[str, dict]) -> str:
 
 
 @dataclass(frozen=True)
+class ChampionVersion:
+    """The version of the line that was @champion when the gate decided."""
+    number: str
+
+    def __str__(self) -> str:  # `versus version 2`, and the evidence's `versus` tag
+        return f"version {self.number}"
+
+    @property
+    def named(self) -> str:  # `rejected against champion version 2`
+        return f"champion {self}"
+
+
+@dataclass(frozen=True)
+class TrainedFrom:
+    """The base the candidate was trained from, faced while the line has no champion."""
+    uri: str | None
+    """Its `model.init_from` (BASE_TAG); None for a version registered before the tag was set."""
+
+    def __str__(self) -> str:
+        return f"its base {self.uri}" if self.uri else "its base"
+
+    @property
+    def named(self) -> str:
+        return str(self)
+
+
+Faced = ChampionVersion | TrainedFrom
+
+
+@dataclass(frozen=True)
 class Decision:
     model_name: str
     version: str
-    champion_before: str | None
+    faced: Faced | None
+    """What the candidate was compared with (or moved over, forced); None: the line had no champion
+    and the candidate no base to face."""
     outcome: str  # PROMOTED, INCONCLUSIVE or REJECTED
     reasons: list[str] = field(default_factory=list)
     advice: str = ""  # for an inconclusive decision: what would resolve it
@@ -238,15 +279,17 @@ class Decision:
         """The decision in one line: the version's description, which the registry's pages show
         first (the tags hold the evidence). `promoted to champion over version 2: better on
         reasoning (+0.021 ± 0.008), no dimension worse`; `rejected against champion version 2:
-        worse on knowledge (-0.030 ± 0.011)`."""
+        worse on knowledge (-0.030 ± 0.011)`; `rejected against its base package:...: worse on
+        instruction_following (-0.068 ± 0.031)`."""
+        if self.forced:
+            over = f" over {self.faced}" if self.faced else ", no champion before"
+            return f"promoted to champion by --force{over} (no gate)"
         if self.outcome == PROMOTED:
-            if self.champion_before is None:
+            if self.faced is None:
                 return "promoted to champion: the first version, no champion to compare with"
-            if self.forced:
-                return f"promoted to champion by --force over version {self.champion_before} (no gate)"
-            head = f"promoted to champion over version {self.champion_before}"
+            head = f"promoted to champion over {self.faced}"
         else:
-            head = f"{self.outcome} against champion version {self.champion_before}"
+            head = f"{self.outcome} against {self.faced.named}"
         return f"{head}: {self.gist or (self.reasons[0] if self.reasons else self.outcome)}"
 
     @property
@@ -254,15 +297,20 @@ class Decision:
         return self.outcome == PROMOTED
 
     @property
+    def champion_before(self) -> str | None:
+        """The champion's version when the gate decided; None while the line had none."""
+        return self.faced.number if isinstance(self.faced, ChampionVersion) else None
+
+    @property
     def already(self) -> bool:
         """Nothing to decide: the version is the champion."""
         return self.champion_before == self.version
 
     def against(self) -> str:
-        """The champion it was compared with, or why there was none."""
-        if self.champion_before is None:
-            return "no champion before"
-        return f"{'forced over' if self.forced else 'versus'} version {self.champion_before}"
+        """What it was compared with (`versus version 2`, `versus its base URI`), or why nothing."""
+        if self.forced:
+            return f"forced over {self.faced}" if self.faced else "forced, no champion before"
+        return f"versus {self.faced}" if self.faced else "no champion before"
 
     def record(self) -> str:
         """The version's DECISION_TAG: the outcome, what it was decided against, and why."""
@@ -275,8 +323,10 @@ class Decision:
             because = f": {'; '.join(self.reasons)}" if self.reasons else ""
             return (f"{self.model_name} version {self.version} is now @{CHAMPION_ALIAS} ({self.against()})"
                     + because)
-        text = (f"{self.model_name} version {self.version} stays behind @{CHAMPION_ALIAS} (version "
-                f"{self.champion_before}), {self.outcome}: {'; '.join(self.reasons)}")
+        behind = (f"@{CHAMPION_ALIAS} ({self.faced})" if isinstance(self.faced, ChampionVersion)
+                  else f"{self.faced} (no @{CHAMPION_ALIAS} yet)")
+        text = (f"{self.model_name} version {self.version} stays behind {behind}, {self.outcome}: "
+                f"{'; '.join(self.reasons)}")
         return text + (f". {self.advice[0].upper()}{self.advice[1:]}" if self.advice else "")
 
 
@@ -344,9 +394,9 @@ def scored_as(candidate: EvaluatedItems, export: Path, label: str) -> dict[str, 
     return model_args | {"max_length": candidate.max_length}
 
 
-def evidence_tags(comparison: dict, champion: str, advice: str) -> dict[str, str]:
-    """The intervals a decision rests on, as two version tags: the champion it faced, and the
-    rest under EVIDENCE_TAG (flows/reports.py renders them)."""
+def evidence_tags(comparison: dict, faced: Faced, advice: str) -> dict[str, str]:
+    """The intervals a decision rests on, as two version tags: what it faced (`version 2`, `its
+    base URI`), and the rest under EVIDENCE_TAG (flows/reports.py renders them)."""
     evidence = {"overall": signed_interval(comparison["overall"], comparison["overall_ci95"]),
             "shared_items": str(sum(comparison["shared_items"].values()))}
     evidence |= {f"dimension/{name}": signed_interval(entry["difference"], entry["ci95"])
@@ -359,12 +409,13 @@ def evidence_tags(comparison: dict, champion: str, advice: str) -> dict[str, str
                                          for name, p_value in tested.items())
     if advice:
         evidence["resolution"] = advice
-    return {f"{EVIDENCE_TAG_PREFIX}versus": f"version {champion}", EVIDENCE_TAG: json.dumps(evidence)}
+    return {f"{EVIDENCE_TAG_PREFIX}versus": str(faced), EVIDENCE_TAG: json.dumps(evidence)}
 
 
 def decide(cfg: Config, client: MlflowClient, candidate: ModelVersion,
            champion: ModelVersion) -> tuple[Decision, dict[str, str]]:
     """The gate on `candidate` against `champion`: the decision and its evidence tags."""
+    faced = ChampionVersion(str(champion.version))
     candidate_items = logged_items(client, candidate.run_id)
     try:
         if candidate_items is None:
@@ -372,16 +423,35 @@ def decide(cfg: Config, client: MlflowClient, candidate: ModelVersion,
                            "re-run its eval and register stages, or move the alias with --force")
         champion_items = champion_on_items(cfg, client, champion, candidate_items)
     except Unpaired as err:  # no evidence either way: the version stays registered, the alias stays
-        return Decision(candidate.name, str(candidate.version), str(champion.version), INCONCLUSIVE,
+        return Decision(candidate.name, str(candidate.version), faced, INCONCLUSIVE,
                         [f"not compared: {err}"], gist="not compared: " + str(err).partition(":")[0]), {}
+    return judged(cfg, candidate, candidate_items, faced, champion_items)
+
+
+def decide_without_champion(cfg: Config, client: MlflowClient,
+                            candidate: ModelVersion) -> tuple[Decision, dict[str, str]]:
+    """The gate on `candidate` in a line with no champion: against the base it was trained from,
+    on the items the eval stage scored both on, as against a champion; the first champion when no
+    base is among its per-item results (trained from scratch, or registered without them)."""
+    beside_base = None if candidate.run_id is None else run_items_beside_base(client, candidate.run_id)
+    if beside_base is None:
+        return Decision(candidate.name, str(candidate.version), None, PROMOTED), {}
+    candidate_items, base_items = beside_base
+    return judged(cfg, candidate, candidate_items, TrainedFrom(candidate.tags.get(BASE_TAG)), base_items)
+
+
+def judged(cfg: Config, candidate: ModelVersion, candidate_items: EvaluatedItems, faced: Faced,
+           faced_items: EvaluatedItems) -> tuple[Decision, dict[str, str]]:
+    """The gate's rules on the candidate's items against those of what it faced, scored on all of
+    them alike: the decision and its evidence tags."""
     rcfg = cfg.registry
-    comparison = paired_comparison(candidate_items.items, champion_items.items, candidate_items.scores(),
+    comparison = paired_comparison(candidate_items.items, faced_items.items, candidate_items.scores(),
                                    rcfg.promotion_margin)
-    verdict = judge(comparison, list(champion_items.plan), rcfg.max_dimension_regression)
+    verdict = judge(comparison, list(faced_items.plan), rcfg.max_dimension_regression)
     advice = resolution(comparison, candidate_items.plan) if verdict.outcome == INCONCLUSIVE else ""
-    decision = Decision(candidate.name, str(candidate.version), str(champion.version), verdict.outcome,
-                        verdict.reasons, advice, gist=gist(verdict, comparison, list(champion_items.plan)))
-    return decision, evidence_tags(comparison, str(champion.version), advice)
+    decision = Decision(candidate.name, str(candidate.version), faced, verdict.outcome, verdict.reasons,
+                        advice, gist=gist(verdict, comparison, list(faced_items.plan)))
+    return decision, evidence_tags(comparison, faced, advice)
 
 
 def short_interval(difference: float, ci95: list[float] | None) -> str:
@@ -426,10 +496,13 @@ def gist(verdict: Verdict, comparison: dict, champion_dimensions: list[str]) -> 
 
 def decided(cfg: Config, client: MlflowClient, candidate: ModelVersion, champion: ModelVersion | None,
             force: bool) -> tuple[Decision, dict[str, str]]:
-    """The decision on `candidate` against `champion` (None: there is none) and its evidence."""
-    if champion is None or force:
-        return Decision(candidate.name, str(candidate.version), version_of(champion), PROMOTED,
-                        forced=champion is not None), {}
+    """The decision on `candidate` against `champion` (None: there is none, and the candidate
+    faces its base if it has one) and its evidence."""
+    if force:
+        faced = None if champion is None else ChampionVersion(str(champion.version))
+        return Decision(candidate.name, str(candidate.version), faced, PROMOTED, forced=True), {}
+    if champion is None:
+        return decide_without_champion(cfg, client, candidate)
     return decide(cfg, client, candidate, champion)
 
 
@@ -458,8 +531,13 @@ def promote(cfg: Config, client: MlflowClient, version: str, force: bool = False
                 record(client, candidate, decision, evidence, lease)
                 log.info("%s", decision.describe())
                 return decision
-        log.info("@%s moved from version %s to %s while the gate decided on %s version %s: deciding again "
-                 "against it", CHAMPION_ALIAS, decision.champion_before, now, name, candidate.version)
+        log.info("@%s moved from %s to %s while the gate decided on %s version %s: deciding again "
+                 "against it", CHAMPION_ALIAS, aliased_to(decision.champion_before), aliased_to(now), name,
+                 candidate.version)
+
+
+def aliased_to(number: str | None) -> str:
+    return "no version" if number is None else f"version {number}"
 
 
 def record(client: MlflowClient, candidate: ModelVersion, decision: Decision, evidence: dict[str, str],
@@ -487,7 +565,7 @@ def already_champion(client: MlflowClient, champion: ModelVersion) -> Decision:
     if PENDING_TAG in champion.tags:
         client.set_model_version_tag(champion.name, number, DECISION_TAG, champion.tags[PENDING_TAG])
         client.delete_model_version_tag(champion.name, number, PENDING_TAG)
-    return Decision(champion.name, number, number, PROMOTED)
+    return Decision(champion.name, number, ChampionVersion(number), PROMOTED)
 
 
 # The promotion lock: a registered model NAME.promotion-lock exists while a process records a

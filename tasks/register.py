@@ -53,9 +53,9 @@ from forgeline.model.spool import NotLanded
 from forgeline.tasks.atomic import write_text_atomic
 from forgeline.tasks.evaluate import EVAL_RUN_TAG, ITEMS_NAME, TRAIN_RUN_TAG, eval_run_name, read_eval_metrics
 from forgeline.tasks.pretrained import COMPLETE, INCOMPLETE, REGISTRATION_TAG, is_complete
-from forgeline.tasks.promote import PromotionLockError, aliased, promote, recorded_decision
+from forgeline.tasks.promote import BASE_TAG, PromotionLockError, aliased, promote, recorded_decision
 from forgeline.tasks.tracking import DATA_VERSION_TAG, RunTracker, config_label, dvc_hash, tracker_for
-from forgeline.tasks.train.job import read_train_summary
+from forgeline.tasks.train.job import TrainResult, read_train_summary
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def register_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> R
         raise RegistrationError(f"the eval's per-item results did not reach the registry's store: {err}. "
                                 "Nothing was registered; rerun the register stage once the store "
                                 "answers") from err
-    tags = version_tags(cfg, train.step, scores["overall"], parent)  # the store answered just now
+    tags = version_tags(cfg, train, scores["overall"], parent)  # the store answered just now
     key = registration_key(cfg.registry.model_name, Path(train.checkpoint), tokenizer_dir, scores)
     registered = register_model(cfg, run, train.checkpoint, str(tokenizer_dir), tags, key)
     uri = run.client.tracking_uri
@@ -190,13 +190,17 @@ def registration_key(model_name: str, checkpoint: Path, tokenizer_dir: Path, sco
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def version_tags(cfg: Config, step: int, overall: float, parent: RunTracker | None) -> dict[str, str]:
+def version_tags(cfg: Config, train: TrainResult, overall: float,
+                 parent: RunTracker | None) -> dict[str, str]:
     """What identifies a version, as its tags: the data, the checkpoint's step, the overall score,
-    and with a parent the runs that made it. Every other score is a metric of those runs
-    (`eval/...`) and the gate's evidence has tags of its own (tasks/promote.py): a tag each here
-    filled MLflow's versions list with a column of them per row."""
-    tags = {DATA_VERSION_TAG: dvc_hash(cfg.data.out_dir), "forgeline.checkpoint_step": str(step),
+    the base it was trained from (its `model.init_from`: what the gate compares the line's first
+    champion with, tasks/promote.py) and with a parent the runs that made it. Every other score is
+    a metric of those runs (`eval/...`) and the gate's evidence has tags of its own: a tag each
+    here filled MLflow's versions list with a column of them per row."""
+    tags = {DATA_VERSION_TAG: dvc_hash(cfg.data.out_dir), "forgeline.checkpoint_step": str(train.step),
             "eval.overall": f"{overall:.6g}"}
+    if train.base:
+        tags[BASE_TAG] = train.base["uri"]
     if parent:
         made_by = parent.client.get_run(parent.run_id).data.tags
         tags["forgeline.pipeline_run_id"] = parent.run_id

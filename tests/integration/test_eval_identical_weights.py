@@ -1,14 +1,15 @@
 """Identical weights score identically: a run continued from a base with a learning rate of
 1e-30 holds the base's weights, so its eval must find no difference from the base on any item,
-and its registration must not take the champion it was continued from for a worse or better
-model.
+and its registration must take neither its base nor the champion it was continued from for a
+worse or better model.
 
 The base is one no other test uses, made as a user's model is: a small random
 `LlamaForCausalLM` with untied embeddings, saved in bfloat16 by `save_pretrained` with the
 tokenizer of a chat model -- whose end-of-text token (`<|im_end|>`) is not the one the data
 stage separates documents with (`<|endoftext|>`, data.special_tokens). The first run trains
-from its directory in pp2 x dp2 and is registered (the first version: champion); the second
-continues from `models:/NAME@champion` in pp2, so its candidate is the champion's weights again.
+from its directory in pp2 x dp2 and is registered: with no champion it faces its base, and is not
+crowned (inconclusive, identical on every item); crowned with --force, the second continues from
+`models:/NAME@champion` in pp2, so its candidate is the champion's weights again.
 Real torchrun ranks, lm-eval, MLflow (sqlite registry)."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from forgeline.configs import Config
 from forgeline.tasks.data.build import train_tokenizer
 from forgeline.tasks.pretrained import CACHE_ENV
-from forgeline.tasks.promote import CHAMPION_ALIAS, DECISION_TAG
+from forgeline.tasks.promote import CHAMPION_ALIAS, DECISION_TAG, aliased, promote
 from forgeline.tasks.runner import run_stage
 from forgeline.tasks.stage import stage_named
 from forgeline.tasks.tracking import resolve_tracking_uri
@@ -95,6 +96,11 @@ def test_a_run_that_kept_its_bases_weights_scores_as_its_base_and_is_not_promote
     assert_scored_as_its_base(first)
     client = MlflowClient(resolve_tracking_uri(first), resolve_tracking_uri(first))
     name = first.registry.model_name
+    decision = client.get_model_version(name, champion).tags[DECISION_TAG]
+    assert decision.startswith(f"inconclusive: versus its base {first.model.init_from}; "), decision
+    assert decision.endswith("identical results on every shared item"), decision
+    assert aliased(client, name, CHAMPION_ALIAS) is None
+    promote(first, client, champion, force=True)
     assert str(client.get_model_version_by_alias(name, CHAMPION_ALIAS).version) == champion
 
     second = run_config(tmp_path / "second", tmp_path, f"models:/{name}@{CHAMPION_ALIAS}", "parallel.pp=2")

