@@ -323,7 +323,12 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
         except (NotImplementedError, RuntimeError, ValueError) as err:
             raise ValueError(f"transformers cannot read this GGUF file of model_type {config.model_type!r}: "
                              f"{err}") from err
-        model.hf_quantizer = None  # the weights are dequantized: save them as plain fp32
+        # The weights are dequantized: saved as plain fp32, without the GGUF quantization_config that
+        # from_pretrained set (with it transformers' Trainer, TRL's too, refuses the directory as a
+        # "purely quantized" model it cannot train).
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name).save_pretrained(tmp)
         check_hf_weights(tmp, shape)

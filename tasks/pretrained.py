@@ -238,10 +238,10 @@ def tokenizer_of_checkpoint(uri: str, manifest: dict) -> Path:
     return directory
 
 
-GGUF_CONVERSION = "v3"
+GGUF_CONVERSION = "v4"
 """In the cache key of a converted GGUF file: v2 sets the fields transformers drops from the file
 (model/hf.py gguf_config), which a directory converted before lacks; v3 Gemma's
-query_pre_attn_scalar."""
+query_pre_attn_scalar; v4 leaves out the GGUF quantization_config of the dequantized weights."""
 
 
 def gguf_base(gguf_file: Path) -> Path:

@@ -7,6 +7,7 @@ start from is refused at resolution, naming its model_type, with nothing left in
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,8 @@ def test_a_gguf_base_of_each_family_starts_with_the_original_models_logits(name:
     model_type = original.config.model_type
     assert base.shape.family == FAMILY_READ_BACK.get(model_type, model_type)
     assert (base.tokenizer / "tokenizer.json").is_file()
+    # Plain fp32 weights: no quantization_config, with which transformers' Trainer refuses a model.
+    assert "quantization_config" not in json.loads((base.weights / "config.json").read_text())
     # Rows as long as the model's context: Llama 3's rope scaling changes only the low frequencies.
     x = torch.randint(3, COMMON["vocab_size"], (2, COMMON["max_position_embeddings"]),
                       generator=torch.Generator().manual_seed(1))
