@@ -1141,6 +1141,24 @@ class PreferenceConfig(Section):
     """Train low-rank adapters only (None: every weight)."""
 
 
+# lm-eval's IFEval instruction registry (lm_eval.tasks.ifeval.instructions_registry.INSTRUCTION_DICT),
+# by id, in its order: the config checks names against it without importing lm-eval (and NLTK);
+# tests/unit/test_pairs_prompts.py checks it is the registry's.
+IFEVAL_INSTRUCTION_TYPES = (
+    "keywords:existence", "keywords:frequency", "keywords:forbidden_words", "keywords:letter_frequency",
+    "language:response_language", "length_constraints:number_sentences",
+    "length_constraints:number_paragraphs", "length_constraints:number_words",
+    "length_constraints:nth_paragraph_first_word",
+    "detectable_content:number_placeholders", "detectable_content:postscript",
+    "detectable_format:number_bullet_lists", "detectable_format:constrained_response",
+    "detectable_format:number_highlighted_sections", "detectable_format:multiple_sections",
+    "detectable_format:json_format", "detectable_format:title", "combination:two_responses",
+    "combination:repeat_prompt", "startend:end_checker", "change_case:capital_word_frequency",
+    "change_case:english_capital", "change_case:english_lowercase", "punctuation:no_comma",
+    "startend:quotation",
+)
+
+
 class PairsConfig(Section):
     """On-policy preference pairs made offline from verifiable instructions (the pairs stage,
     before the data stage): prompts with constraints from lm-eval's IFEval instruction registry,
@@ -1156,6 +1174,59 @@ class PairsConfig(Section):
     """The IFEval instruction types the pairs train (ids of lm-eval's instruction registry, e.g.
     `punctuation:no_comma`); the registry's other types are held out, and the eval stage reports
     IFEval's prompts of trained and of held-out types apart."""
+
+    num_prompts: PositiveInt = 256
+    """Prompts made: writing tasks (questions from the packaged conversations, Chit-Chat's topics)
+    drawn in a seeded order, less those overlapping an IFEval prompt, each with constraints."""
+
+    max_constraints: int = Field(3, ge=1, le=3)
+    """A prompt gets from one to this many constraints (uniformly), of distinct instruction types
+    among `instruction_types` that do not conflict (the registry's INSTRUCTION_CONFLICTS)."""
+
+    samples_per_prompt: int = Field(4, ge=2)
+    """Replies sampled from the policy per prompt (k): a pair needs one that follows every
+    constraint and one that does not."""
+
+    pairs_per_prompt: PositiveInt = 1
+    """At most this many pairs per prompt: the i-th following reply with the i-th failing one, in
+    sample order, so that no reply is in two pairs."""
+
+    max_new_tokens: PositiveInt = 384
+    """Tokens a reply may have; one that reaches the limit without ending its turn is cut off, and
+    is in no pair (counted as truncated)."""
+
+    temperature: PositiveFloat = 0.8
+    """Sampling temperature of the replies (greedy decoding would make the k replies one)."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: the likeliest tokens whose probability together reaches top_p (1: all)."""
+
+    batch_size: PositiveInt = 32
+    """Replies decoded together (continuous batching: a reply that ends gives its row to the next)."""
+
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """The policy's weights while sampling, as eval.precision: `auto` is bf16 on a GPU that has it,
+    else fp32; bf16 on a CPU without native bf16 (AVX-512 BF16/AMX) is refused."""
+
+    seed: int = 0
+    """Seeds the prompts (tasks, constraint types, and the registry's own random arguments:
+    keywords, counts, phrases) and the sampling: the same seed, base and batch_size give the same
+    pairs."""
+
+    @field_validator("instruction_types")
+    @classmethod
+    def _known_instruction_types(cls, types: list[str]) -> list[str]:
+        if unknown := [name for name in types if name not in IFEVAL_INSTRUCTION_TYPES]:
+            raise ValueError(f"{unknown} are not IFEval instruction types; lm-eval's registry has "
+                             f"{', '.join(IFEVAL_INSTRUCTION_TYPES)}")
+        if len(set(types)) != len(types):
+            raise ValueError("a type is named twice")
+        return types
+
+    @property
+    def held_out_types(self) -> list[str]:
+        """The registry's instruction types the pairs do not train, in its order."""
+        return [name for name in IFEVAL_INSTRUCTION_TYPES if name not in self.instruction_types]
 
 
 class SlurmConfig(Section):

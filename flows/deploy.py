@@ -57,8 +57,9 @@ def stage_deployment(stage: Stage) -> dict:
 
 def render_prefect_yaml() -> str:
     pipeline = {"name": "scheduled",
-                "description": f"{chain()} (sft: a config that fine-tunes) nightly at 03:00 UTC (cron "
-                               f"{SCHEDULE['cron']}, time zone {SCHEDULE['timezone']}); one run at a time; "
+                "description": f"{chain()} (sft, preference, pairs: a config with that section) nightly at "
+                               f"03:00 UTC (cron {SCHEDULE['cron']}, time zone {SCHEDULE['timezone']}); one "
+                               "run at a time; "
                                "stages whose inputs did not change end Cached.",
                 "entrypoint": "forgeline.flows.pipeline:pipeline_flow",
                 "parameters": {"config": DEFAULT_CONFIG, "overrides": [], "force": False},

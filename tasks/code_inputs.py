@@ -51,6 +51,8 @@ INSTALLED_DATA = {
     # The suite's templates include lm-eval's own task YAMLs (prompts, metrics), which a local edit
     # or a reinstall can change under the same lm-eval version.
     "forgeline.eval.suite": "forgeline.eval.suite:included_lm_eval_files",
+    # The pairs stage's prompts are made of packaged conversations and checked against IFEval's prompts.
+    "forgeline.tasks.pairs.prompts": "forgeline.tasks.pairs.prompts:prompt_files",
 }
 """Files of installed third-party packages that a module reads, by module name: a reference to a
 function () -> {name: sha256} of their contents."""

