@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 
 from forgeline.configs import Config
 from forgeline.tasks.cache import CACHE_SOURCE_TAG, CACHE_TAG, out_dir_tag, outputs_tag, run_cached
-from forgeline.tasks.stage import Stage, check_in_pipeline, producer, resolve
+from forgeline.tasks.stage import Stage, check_in_pipeline, producer, resolve, stage_named
 from forgeline.tasks.stage_log import stage_log
 from forgeline.tasks.tracking import (
     RunTracker,
@@ -39,7 +39,7 @@ def preflight(cfg: Config, stages: tuple[Stage, ...], from_snapshot: bool = Fals
     snapshot; a tokenizer to load; the precision; the eval tasks), and a tracking server answers."""
     for stage in stages:  # a stage of the other pipeline is named as such, not as one lacking inputs
         check_in_pipeline(stage, cfg)
-    check_stage_inputs(stages[0], cfg)
+    check_stage_inputs(stages[0], cfg, from_snapshot)
     for stage in stages:
         preflight_stage(stage, cfg, from_snapshot)
     check_tracking_server(cfg)
@@ -54,9 +54,14 @@ def preflight_stage(stage: Stage, cfg: Config, from_snapshot: bool = False) -> N
         resolve(stage.preflight)(cfg)
 
 
-def check_stage_inputs(stage: Stage, cfg: Config) -> None:
-    """Fail before any work if an upstream stage's output is missing."""
-    missing = [producer(up, cfg) for up in stage.upstream if not producer(up, cfg).done_marker(cfg).is_file()]
+def check_stage_inputs(stage: Stage, cfg: Config, from_snapshot: bool = False) -> None:
+    """Fail before any work if an upstream stage's output is missing: one the stage reads, or one
+    of the config's pipeline that its snapshot step copies (unless it builds from the snapshot
+    taken before)."""
+    copied = () if from_snapshot or stage.snapshot is None else tuple(
+        read.stage for read in stage.snapshot.reads if stage_named(read.stage).runs_for(cfg))
+    missing = [producer(up, cfg) for up in (*stage.upstream, *copied)
+               if not producer(up, cfg).done_marker(cfg).is_file()]
     if missing:
         paths = ", ".join(str(up.done_marker(cfg)) for up in missing)
         raise MissingInputError(

@@ -103,7 +103,8 @@ class RawDocument:
 
 
 def preflight_sources(cfg: Config) -> None:
-    """Fail before any work if a source of `cfg.data` cannot be read."""
+    """Fail before any work if a source of `cfg.data` cannot be read (one from outside the
+    pipeline: the pairs stage's output is an upstream output, Snapshot.reads)."""
     for source in cfg.data.sources:
         if source.kind == "files":
             files = matching_files(source.path)
@@ -121,9 +122,8 @@ def preflight_sources(cfg: Config) -> None:
             chitchat_file()
         elif source.kind == "chatterbot":
             chatterbot_files()
-        elif source.kind == "pairs" and not pairs_path(cfg).is_file():
-            raise SourceError(f"data.sources[{source.label}]: no {pairs_path(cfg)}: run the pairs stage "
-                              "first (`forgeline stage pairs`)")
+    # A `kind: pairs` source reads the pairs stage's output: checked as upstream outputs are
+    # (tasks/runner.py check_stage_inputs), so that `forgeline run` makes it first.
 
 
 def pairs_path(cfg: Config) -> Path | None:

@@ -42,6 +42,8 @@ from forgeline.tasks.data.chat import (
 from forgeline.tasks.data.clean import clean_pair
 from forgeline.tasks.data.snapshot import SOURCES_NAME, SnapshotError, load_snapshot, snapshot_members
 from forgeline.tasks.data.sources import PAIRS_FILE, SourceError, preflight_sources, read_source
+from forgeline.tasks.runner import MissingInputError, check_stage_inputs
+from forgeline.tasks.stage import stage_named
 from tests.conftest import debug_config
 from tests.smollm2_tokenizer import MISSING, SKIP_REASON, smollm2_tokenizer_dir
 from tests.unit.test_chat_masks import family_tokenizer
@@ -230,9 +232,11 @@ def test_a_pairs_source_needs_the_pairs_section_and_the_pairs_stage_output(tmp_p
     preferring = ("preference.beta=0.1", f"model.init_from={tmp_path / 'base'}")
     cfg = debug_config(tmp_path, "data.sources=[{kind: pairs}]", *preferring,
                        f"pairs.out_dir={tmp_path / 'none'}", "pairs.instruction_types=[punctuation:no_comma]")
-    with pytest.raises(SourceError, match=r"data.sources\[pairs\]: no .*none/pairs.jsonl: run the pairs "
-                                          r"stage first \(`forgeline stage pairs`\)"):
-        preflight_sources(cfg)
+    preflight_sources(cfg)  # the pairs are the pairs stage's output: `forgeline run` makes them first
+    missing = r"stage 'data' reads the output of pairs, which is missing \(.*none/manifest.json\); run `forgeline"
+    with pytest.raises(MissingInputError, match=missing + r" stage pairs` first"):
+        check_stage_inputs(stage_named("data"), cfg)  # the data stage alone
+    check_stage_inputs(stage_named("data"), cfg, from_snapshot=True)  # its snapshot holds them
     with pytest.raises(ConfigError, match="a `kind: pairs` source reads the pairs the pairs stage makes"):
         debug_config(tmp_path, "data.sources=[{kind: pairs}]", *preferring)
 
