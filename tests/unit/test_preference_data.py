@@ -233,8 +233,8 @@ def test_a_pairs_source_needs_the_pairs_section_and_the_pairs_stage_output(tmp_p
     cfg = debug_config(tmp_path, "data.sources=[{kind: pairs}]", *preferring,
                        f"pairs.out_dir={tmp_path / 'none'}", "pairs.instruction_types=[punctuation:no_comma]")
     preflight_sources(cfg)  # the pairs are the pairs stage's output: `forgeline run` makes them first
-    missing = r"stage 'data' reads the output of pairs, which is missing \(.*none/manifest.json\); run `forgeline"
-    with pytest.raises(MissingInputError, match=missing + r" stage pairs` first"):
+    missing = r"stage 'data' reads the output of pairs, which is missing \(.*none/manifest.json\)"
+    with pytest.raises(MissingInputError, match=missing + r"; run `forgeline stage pairs` first"):
         check_stage_inputs(stage_named("data"), cfg)  # the data stage alone
     check_stage_inputs(stage_named("data"), cfg, from_snapshot=True)  # its snapshot holds them
     with pytest.raises(ConfigError, match="a `kind: pairs` source reads the pairs the pairs stage makes"):
