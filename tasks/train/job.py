@@ -353,9 +353,12 @@ def rank_config_yaml(cfg: Config) -> str:
     concerns training -- not the rest, which is no input of the stage (the parent run keeps the
     whole config), so that a rerun of a stage after this one does not change this stage's output.
     Python mode, not JSON: YAML keeps what JSON cannot (a NaN in a callback argument, say)."""
-    # A pretraining run's config stays as it was.
+    # A pretraining run's config stays as it was. A `kind: pairs` source is valid with the `pairs`
+    # section that places its file (the ranks read the shards, not the pairs).
     objective = {cfg.objective} if cfg.fine_tuning is not None else set()
-    read = cfg.model_dump(include={"run", "data", "model", "parallel", "train", "checkpoint", *objective})
+    pairs = {"pairs"} if cfg.pairs is not None else set()
+    read = cfg.model_dump(include={"run", "data", "model", "parallel", "train", "checkpoint", *objective,
+                                   *pairs})
     read["eval"] = cfg.eval.model_dump(include={"during_training", "batch_size"})
     if asked := in_training_settings(cfg):
         read["eval"]["dimensions"] = asked

@@ -39,6 +39,15 @@ def test_the_ranks_config_holds_what_training_reads_and_nothing_else() -> None:
     assert rank_config_yaml(other) == rank_config_yaml(in_training)
 
 
+def test_the_ranks_config_of_a_run_on_the_pipelines_own_pairs_is_valid() -> None:
+    """A `kind: pairs` source needs the `pairs` section that places its file: the ranks' config
+    holds it (they refused a config without it, and the preference stage failed on every rank)."""
+    cfg = load_config("debug.yaml", ["preference.beta=0.1", "model.init_from=base",
+                                     "data.sources=[{kind: pairs}]", "pairs.instruction_types=[punctuation:no_comma]"])
+    ranks = Config.model_validate(yaml.safe_load(rank_config_yaml(cfg)))
+    assert ranks.preference == cfg.preference and ranks.data == cfg.data
+
+
 def test_the_summary_is_read_with_its_paths_under_the_configured_directory(tmp_path) -> None:
     """A stage reading train's output from another directory than train ran in (--upstream-run)
     finds its checkpoint."""
