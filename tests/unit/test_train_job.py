@@ -42,8 +42,8 @@ def test_the_ranks_config_holds_what_training_reads_and_nothing_else() -> None:
 def test_the_ranks_config_of_a_run_on_the_pipelines_own_pairs_is_valid() -> None:
     """A `kind: pairs` source needs the `pairs` section that places its file: the ranks' config
     holds it (they refused a config without it, and the preference stage failed on every rank)."""
-    cfg = load_config("debug.yaml", ["preference.beta=0.1", "model.init_from=base",
-                                     "data.sources=[{kind: pairs}]", "pairs.instruction_types=[punctuation:no_comma]"])
+    pairs = ["data.sources=[{kind: pairs}]", "pairs.instruction_types=[punctuation:no_comma]"]
+    cfg = load_config("debug.yaml", ["preference.beta=0.1", "model.init_from=base", *pairs])
     ranks = Config.model_validate(yaml.safe_load(rank_config_yaml(cfg)))
     assert ranks.preference == cfg.preference and ranks.data == cfg.data
 
