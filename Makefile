@@ -70,16 +70,21 @@ slurm:
 run: install
 	$(BIN)/forgeline run $(if $(CONFIG),--config $(CONFIG)) $(foreach s,$(SET),--set $(s))
 
+# pytest's --durations=N for a target, unless PYTEST_ADDOPTS names its own (the command line
+# would override it): `PYTEST_ADDOPTS=--durations=0 bash .ci/run` times every test, for
+# bench/ci_durations.py.
+durations = $(if $(findstring --durations,$(PYTEST_ADDOPTS)),,--durations=$(1))
+
 # Two test files at a time, as test-slow: many tests wait on a process they started (torchrun,
 # a server), so two share the cores well.
 test: install
-	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadfile $(call durations,15)
 
 # Tests that take more than ~30 s each (e.g. `dvc repro` of the data stage twice). Two files at
 # a time (a file's module fixtures stay in one process): most of their time is one process
 # (a single-rank stage, a server, a browser) waiting on another, so two share the cores well.
 test-slow: install
-	$(BIN)/python -m pytest -q -m "slow and not ui" -n 2 --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -m "slow and not ui" -n 2 --dist loadfile $(call durations,25)
 
 # Both UIs in headless Chromium: Prefect's flow run page and a deployment's run form; MLflow's runs
 # table, an eval-run comparison, a resumed training's single loss curve and the versions list --
