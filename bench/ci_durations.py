@@ -74,12 +74,14 @@ def minutes(seconds: float | None) -> str:
 
 
 def print_totals(logs: list[CiLog]) -> None:
-    print("| | " + " | ".join(("before", "after")[:len(logs)]) + " |")
-    print("|---|" + "---|" * len(logs))
-    for index, session in enumerate(logs[0].sessions):
-        walls = [minutes(log.sessions[index].wall_s) if index < len(log.sessions) else "--" for log in logs]
-        print(f"| pytest -m \"{session.selection}\" | " + " | ".join(walls) + " |")
-    print("| .ci/run | " + " | ".join(minutes(log.total_s) for log in logs) + " |\n")
+    """Each log's pytest sessions (the make targets' marker selections) and .ci/run's total."""
+    print("| log | what | tests passed | wall |\n|---|---|---|---|")
+    for label, log in zip(("before", "after"), logs, strict=False):
+        for session in log.sessions:
+            what = f'pytest -m "{session.selection}"'
+            print(f"| {label} | {what} | {session.passed} | {minutes(session.wall_s)} |")
+        print(f"| {label} | .ci/run | | {minutes(log.total_s)} |")
+    print()
 
 
 def print_files(logs: list[CiLog]) -> None:
