@@ -99,14 +99,18 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-# The test files that hold a pytest-xdist worker longest (bench/ci_durations.py on a CI log),
-# longest first; each takes minutes of one worker.
-LONGEST_FIRST = ("integration/test_dvc.py", "integration/test_pipeline_e2e.py",
+# The test files that hold a pytest-xdist worker longest, longest first: each took 3.4 to 31 min
+# of one worker in a CI run on the 2-core machine under load 6-15 (its workers sampled; about a
+# third of that on a quiet machine). bench/ci_durations.py prints them from a finished CI log.
+LONGEST_FIRST = ("integration/test_dvc.py", "integration/test_parity.py",
                  "integration/test_families_layouts.py", "integration/test_promotion.py",
-                 "integration/test_recovery.py", "integration/test_secrets_prefect.py",
-                 "integration/test_train.py", "integration/test_parity.py", "integration/test_mlflow_ui.py",
-                 "integration/test_deployments.py", "integration/test_job_retry.py",
-                 "integration/test_init_from.py", "integration/test_dvc_inputs.py")
+                 "integration/test_dvc_inputs.py", "integration/test_pipeline_e2e.py",
+                 "integration/test_mlflow_ui.py", "integration/test_init_from.py",
+                 "integration/test_eval_identical_weights.py", "integration/test_data_dask.py",
+                 "integration/test_document_masking.py", "integration/test_deployments.py",
+                 "integration/test_job_retry.py", "integration/test_recovery.py",
+                 "integration/test_eval_parity.py", "integration/test_secrets_prefect.py",
+                 "integration/test_train.py")
 
 
 def file_rank(item: pytest.Item) -> int:
