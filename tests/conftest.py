@@ -99,6 +99,38 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# The test files that hold a pytest-xdist worker longest, longest first: each took 3.4 to 31 min
+# of one worker in a CI run on the 2-core machine under load 6-15 (its workers sampled; about a
+# third of that on a quiet machine). bench/ci_durations.py prints them from a finished CI log.
+LONGEST_FIRST = ("integration/test_dvc.py", "integration/test_parity.py",
+                 "integration/test_families_layouts.py", "integration/test_promotion.py",
+                 "integration/test_dvc_inputs.py", "integration/test_pipeline_e2e.py",
+                 "integration/test_mlflow_ui.py", "integration/test_init_from.py",
+                 "integration/test_eval_identical_weights.py", "integration/test_data_dask.py",
+                 "integration/test_document_masking.py", "integration/test_deployments.py",
+                 "integration/test_job_retry.py", "integration/test_recovery.py",
+                 "integration/test_eval_parity.py", "integration/test_secrets_prefect.py",
+                 "integration/test_train.py")
+
+
+def file_rank(item: pytest.Item) -> int:
+    """Where a test's file runs: the longest files first, then the other integration files, then
+    the unit files, whose seconds each fill in the end."""
+    path = item.path.relative_to(REPO_ROOT / "tests").as_posix()
+    if path in LONGEST_FIRST:
+        return LONGEST_FIRST.index(path)
+    return len(LONGEST_FIRST) + (0 if path.startswith("integration/") else 1)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest files first. Under `--dist loadfile` a file runs whole on one worker, handed out in
+    this order (the Makefile's --no-loadscope-reorder keeps xdist from ordering by number of
+    tests, which put the one-test files that take minutes last): a long file started last kept the
+    other worker idle for minutes (test_pipeline_e2e's 8 min at the end of a CI run), where the
+    unit files' short tests now end the run on both workers. Within a file, the order is kept."""
+    items.sort(key=file_rank)
+
+
 def skip_reason(report: pytest.TestReport) -> str:
     """The reason a skipped test gave (pytest keeps it as (path, line, "Skipped: reason"))."""
     if isinstance(report.longrepr, tuple):
