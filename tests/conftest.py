@@ -105,6 +105,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 LONGEST_FIRST = ("integration/test_dvc.py", "integration/test_parity.py",
                  "integration/test_families_layouts.py", "integration/test_promotion.py",
                  "integration/test_dvc_inputs.py", "integration/test_pipeline_e2e.py",
+                 "integration/test_preference.py", "integration/test_preference_layouts.py",
                  "integration/test_mlflow_ui.py", "integration/test_init_from.py",
                  "integration/test_eval_identical_weights.py", "integration/test_data_dask.py",
                  "integration/test_document_masking.py", "integration/test_deployments.py",
