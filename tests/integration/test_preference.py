@@ -1,7 +1,7 @@
 """Preference tuning end to end through `forgeline run`: a base (a tiny random Llama with SmolLM2's
 real tokenizer and chat template) tuned with DPO and LoRA on preference pairs from a JSONL file, on
 two data-parallel ranks -- real Prefect, torchrun, lm-eval and an MLflow sqlite store. The pipeline
-is data -> preference -> eval -> register; the reference's log-probabilities are computed once,
+is pairs -> data -> preference -> eval -> register; the reference's log-probabilities are computed once,
 before the first step, and read back by every later start of the same base on the same data; a
 rank killed mid-run resumes from the last checkpoint and, in deterministic mode, ends with the
 weights of a run that was never interrupted; the steps log TRL's metrics."""
@@ -60,8 +60,13 @@ def write_config(root: Path) -> Path:
     save_base(root / "base")
     config = {
         "inherit": "debug.yaml",
-        "data": {"sources": [{"kind": "files", "path": str(root / "pairs.jsonl"), "format": "preference"}],
+        # The pipeline's own pairs too: the pairs stage runs first (a random model's replies run to
+        # the budget, and are in no pair: the file's make the training).
+        "data": {"sources": [{"kind": "files", "path": str(root / "pairs.jsonl"), "format": "preference"},
+                             {"kind": "pairs"}],
                  "seq_len": 256, "val_fraction": 0.2},
+        "pairs": {"instruction_types": ["punctuation:no_comma"], "num_prompts": 8, "samples_per_prompt": 2,
+                  "max_new_tokens": 16, "batch_size": 8},
         "model": {"init_from": str(root / "base")},
         "preference": {"beta": 0.1, "lora": {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}},
         "parallel": {"dp_shard": 2},
@@ -95,7 +100,10 @@ def test_forgeline_run_tunes_preferences_resumes_a_killed_rank_and_registers(tmp
     assert marker.is_file()  # rank 0 died before step 5; torchrun restarted the ranks
     assert "Registered model: forgeline-dpo version 1" in done.stdout
     cfg = load_config(config)
+    made = json.loads((tmp_path / cfg.pairs.out_dir / "manifest.json").read_text())
+    assert made["replies"]["sampled"] == 16 and made["prompts"]["made"] == 8
     manifest = read_manifest(tmp_path / cfg.data.out_dir)
+    assert manifest["sources"]["pairs"]["input"]["documents"] == made["pairs"]
     assert manifest["preference"] is True and manifest["splits"]["train"]["pairs"] > 0
     log = (tmp_path / "artifacts/logs/preference.log").read_text()
     computed = re.findall(r"reference log-probabilities of (\d+) train \+ (\d+) val samples", log)
