@@ -78,13 +78,9 @@ durations = $(if $(findstring --durations,$(PYTEST_ADDOPTS)),,--durations=$(1))
 # Two test files at a time, as test-slow: many tests wait on a process they started (torchrun,
 # a server), so two share the cores well. Files are handed out longest first, in the order
 # tests/conftest.py sorts them (--no-loadscope-reorder: not xdist's, by number of tests).
-# TEST_MARKERS picks the tests: .ci/run runs all but the UI check in this one session
-# (TEST_MARKERS="not ui"), where the slow files start first and the short ones fill in the end on
-# both workers, rather than a second session after this one.
-TEST_MARKERS ?= not slow
 XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 test: install
-	$(BIN)/python -m pytest -q -m "$(TEST_MARKERS)" $(XDIST) $(call durations,15)
+	$(BIN)/python -m pytest -q -m "not slow" $(XDIST) $(call durations,15)
 
 # Tests that take more than ~30 s each (e.g. `dvc repro` of the data stage twice). Two files at
 # a time (a file's module fixtures stay in one process): most of their time is one process

@@ -757,7 +757,7 @@ def reproduce_run(args: argparse.Namespace) -> int:
     root = Path(args.out or Path("reproduce") / args.run_id).resolve()
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.yaml").write_text(recorded.config_yaml)
-    overrides = output_overrides(root)
+    overrides = output_overrides(root, load_config(root / "config.yaml"))
     # The store the user named: a config's URI (configs refuse credentials) as an override; one
     # from $MLFLOW_TRACKING_URI, which may hold a password, stays in the environment the flow
     # reads, never in a flow parameter that Prefect stores and shows.

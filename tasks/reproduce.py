@@ -77,12 +77,15 @@ def check_code_version(recorded: Recorded) -> None:
                              f"{recorded.code.get('git.diff_sha256', 'none: it was clean')})")
 
 
-def output_overrides(root: Path) -> list[str]:
-    """Every stage's output directory (and snapshot) under `root`, named after the first stage
-    that writes it (train: sft writes there too)."""
-    directories = {stage.output: root / stage.name for stage in reversed(STAGES)}
+def output_overrides(root: Path, cfg: Config) -> list[str]:
+    """The output directory (and snapshot) of every stage of `cfg`'s pipeline under `root`, named
+    after the first stage that writes it (train: sft and preference write there too). Only its
+    own stages': naming a section the config leaves unset (pairs) would set it, with its defaults."""
+    stages = pipeline_stages(cfg)
+    written = {stage.output for stage in stages}
+    directories = {stage.output: root / stage.name for stage in reversed(STAGES) if stage.output in written}
     overrides = [f"{field}={directory}" for field, directory in directories.items()]
-    return overrides + [f"{stage.snapshot.output}={root / 'raw'}" for stage in STAGES if stage.snapshot]
+    return overrides + [f"{stage.snapshot.output}={root / 'raw'}" for stage in stages if stage.snapshot]
 
 
 def compare(recorded: Recorded, data_md5: str, scores: dict[str, float], tolerance: float) -> list[Check]:

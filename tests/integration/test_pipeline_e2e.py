@@ -36,7 +36,7 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
                   "Successfully registered model", "Created version"):
         assert noise not in done.stderr, noise
     assert not [line for line in console if re.search(r"\[rank\d\] \d{4}-", line)]  # one time stamp
-    assert any(re.fullmatch(r"\d\d:\d\d:\d\d train    \[rank0\] \[#{20}\] 100% step 20/20  loss .*", line)
+    assert any(re.fullmatch(r"\d\d:\d\d:\d\d train +\[rank0\] \[#{20}\] 100% step 20/20  loss .*", line)
                for line in console), done.stderr
     logs = tmp_path / "artifacts" / "logs"
     assert "INFO lm_eval.evaluator: " in (logs / "eval.log").read_text()

@@ -90,7 +90,8 @@ def test_inconsistent_values_fail_with_the_numbers(overrides: list[str], message
 
 
 def test_missing_config_file_lists_the_shipped_ones(tmp_path: Path) -> None:
-    shipped = "corpus-docs.yaml, debug.yaml, smollm2-cpt.yaml, smollm2-sft.yaml, tiny-single.yaml, tiny.yaml"
+    shipped = ("corpus-docs.yaml, debug.yaml, smollm2-cpt.yaml, smollm2-dpo.yaml, smollm2-sft.yaml, "
+               "tiny-single.yaml, tiny.yaml")
     with pytest.raises(ConfigError, match=f"not found; shipped configs: {shipped}"):
         load_config(tmp_path / "nope.yaml")
 

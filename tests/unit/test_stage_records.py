@@ -360,3 +360,17 @@ def test_the_tokenizer_and_chat_template_files_the_config_names_are_in_the_data_
     template.write_text("{{ 'system' }}" + template.read_text())
     assert why_not_cached(data, cfg, stage_inputs(data, cfg), Stamp(before, {}, {}, "run-id")) == (
         "changed: external (data.chat_template, data.tokenizer_path)")
+
+
+def test_a_reproduction_moves_only_the_outputs_of_the_recorded_pipelines_stages(tmp_path: Path) -> None:
+    """`forgeline reproduce` points each stage's output under its own directory: naming the pairs
+    stage's for a config without a `pairs` section made one, with no instruction types, and the
+    recorded config was refused (failed before)."""
+    from forgeline.tasks.reproduce import output_overrides
+
+    pretraining = debug_config(tmp_path)
+    moved = output_overrides(tmp_path / "again", pretraining)
+    assert not [override for override in moved if override.startswith("pairs.")]
+    assert load_config("debug.yaml", moved).pairs is None
+    makes_pairs = output_overrides(tmp_path / "again", debug_config(tmp_path, *MAKES_PAIRS))
+    assert f"pairs.out_dir={tmp_path / 'again' / 'pairs'}" in makes_pairs
