@@ -1398,7 +1398,8 @@ class Config(Section):
     def derived_placement(self) -> dict[str, str]:
         """The output directories this config gets when it names none: the data's, named by what
         it is built from, and the run's stages', under `artifacts/<run.name>/`."""
-        sources = json.dumps(self.model_dump(mode="json", include={"data": {"sources"}}), sort_keys=True)
+        sources = json.dumps(self.model_dump(mode="json", include={"data": {"sources"}}) | self.pairs_made(),
+                             sort_keys=True)
         return {"data.out_dir": f"{ARTIFACTS_DIR}/data-{self.data_fingerprint()[:8]}",
                 "data.raw_dir": f"{ARTIFACTS_DIR}/raw-{hashlib.sha256(sources.encode()).hexdigest()[:8]}",
                 "train.out_dir": f"{self.run_dir}/train", "eval.out_dir": f"{self.run_dir}/eval",
@@ -1428,8 +1429,14 @@ class Config(Section):
     def data_fingerprint(self) -> str:
         """What the data stage builds from: the data section less its placement, and
         model.init_from (a base's data is tokenized with its tokenizer)."""
-        payload = {"data": self.content_hash("data"), "init_from": self.model.init_from}
+        payload = {"data": self.content_hash("data"), "init_from": self.model.init_from, **self.pairs_made()}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def pairs_made(self) -> dict[str, str]:
+        """What a `kind: pairs` source reads, for the names of the data's directories: the pairs'
+        fingerprint (configs that differ in their pairs section only must not share, and
+        overwrite, one data directory); nothing for a config without a pairs section."""
+        return {"pairs": self.pairs_fingerprint()} if self.pairs else {}
 
     @property
     def run_dir(self) -> str:

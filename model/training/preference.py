@@ -87,11 +87,14 @@ def preference_targets(tokens: torch.Tensor, documents: torch.Tensor, sides: tor
 
 
 def reply_starts(documents: torch.Tensor, sides: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool: the first target of each reply of (B, T + 1) packed pairs (its first masked token)."""
-    side, doc = sides[:, 1:].long(), documents[:, 1:]
-    previous_side = F.pad(side[:, :-1], (1, 0))
-    previous_doc = F.pad(doc[:, :-1], (1, 0), value=-1)
-    return (side > 0) & ((side != previous_side) | (doc != previous_doc))
+    """(B, T) bool: the first target of each reply of (B, T + 1) packed pairs: its document's first
+    masked token. Per document, not per masked stretch: a reply of several assistant turns (or a
+    tool call and its answer) has untrained turns between its trained ones. `documents` is
+    non-decreasing along T."""
+    side, doc = sides[:, 1:].long(), documents[:, 1:].long()
+    masked_doc = torch.where(side > 0, doc, torch.full_like(doc, -1))
+    last_masked_doc = F.pad(masked_doc[:, :-1], (1, 0), value=-1).cummax(dim=1).values
+    return (side > 0) & (doc != last_masked_doc)
 
 
 def pair_count(documents: torch.Tensor, sides: torch.Tensor) -> int:

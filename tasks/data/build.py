@@ -211,7 +211,13 @@ def build_from_snapshot(cfg: Config) -> DataResult:
             writing[split] = executor.submit(f"shards-{split}", w.write_shard_group, groups)
             splits[split] = {"documents": documents[split], "tokens": tokens, "samples": samples, **rendered}
         if chat:
-            check_dropped(stats, examples, dcfg.max_dropped_fraction, plan.counted)
+            try:
+                check_dropped(stats, examples, dcfg.max_dropped_fraction,
+                              "pairs" if plan.pairs else "conversations")
+            except ValueError:
+                for submitted in writing.values():  # written into the work directory the failure removes
+                    submitted.results()
+                raise
         for split, submitted in writing.items():
             splits[split]["shards"] = shard_entries(submitted.results(), split, plan, stats)
         log.info("data: tokenizer ready, documents tokenized and packed at %.1f s",

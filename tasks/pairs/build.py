@@ -74,6 +74,13 @@ def preflight_pairs(cfg: Config) -> None:
     if cfg.pairs.max_new_tokens >= base.shape.max_seq_len:
         raise ConfigError(f"pairs.max_new_tokens={cfg.pairs.max_new_tokens} leaves no room for a prompt in "
                           f"the base's {base.shape.max_seq_len}-token context: set it lower")
+    if 2 * cfg.pairs.max_new_tokens > cfg.data.seq_len:
+        # Not refused: replies are mostly shorter than the budget. But a pair (its prompt twice and
+        # both replies) is one row, and the data stage's too_long drops count against its limit.
+        log.warning("pairs: two replies of pairs.max_new_tokens=%d do not fit one row of data.seq_len=%d "
+                    "+ 1 tokens: the data stage drops such pairs as too_long, and fails past "
+                    "data.max_dropped_fraction=%s; raise data.seq_len to hold them", cfg.pairs.max_new_tokens,
+                    cfg.data.seq_len, cfg.data.max_dropped_fraction)
 
 
 def pairs_stage(cfg: Config, run: RunTracker, parent: RunTracker | None) -> PairsResult:

@@ -121,7 +121,10 @@ def test_forgeline_run_tunes_preferences_resumes_a_killed_rank_and_registers(tmp
 
     uninterrupted = run([forgeline, "stage", "preference", "--config", str(config), "--set",
                          "run.name=uninterrupted"], tmp_path, timeout=1200, env=env)
-    assert "reference log-probabilities from" in (tmp_path / "artifacts/logs/preference.log").read_text()
+    log = (tmp_path / "artifacts/logs/preference.log").read_text()  # appended to: the second run's part
+    second = log[log.rindex("==== stage preference"):]
+    assert re.search(r"reference log-probabilities from \S+\.reference/", second)  # the cached ones, again
+    assert len(re.findall(r"reference log-probabilities of \d+ train", log)) == 1  # computed once in all
     resumed = load_from_checkpoint(tmp_path / cfg.train.out_dir / "checkpoints/step-00000006").state_dict()
     clean = load_from_checkpoint(tmp_path / "artifacts/uninterrupted/train/checkpoints/step-00000006")
     clean = clean.state_dict()

@@ -300,9 +300,11 @@ def test_a_conversation_the_template_rejects_is_dropped_and_counted_not_the_stag
     assert entry["train_documents"] + entry["val_documents"] == 29
 
 
-def test_a_tool_call_the_template_does_not_write_is_dropped_with_its_own_reason(tmp_path: Path) -> None:
+def test_a_tool_call_the_template_does_not_write_is_dropped_with_its_own_reason(tmp_path: Path,
+                                                                               caplog) -> None:
     """SmolLM2's template writes a message's content only: the calling turn would train as an
-    empty reply."""
+    empty reply. The build reports the source's conversations with their splits at turn
+    boundaries (it called them documents, without the splits, for a while)."""
     chats = shipped_chats(30)
     call = {"id": "1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
     calling = [chats[0][0], {"role": "assistant", "content": "", "tool_calls": [call]},
@@ -312,9 +314,12 @@ def test_a_tool_call_the_template_does_not_write_is_dropped_with_its_own_reason(
     cfg = debug_config(tmp_path, f"data.sources={json.dumps([source])}", "sft.lora=null",
                        f"data.tokenizer_path={smollm2_tokenizer_dir()}", f"data.seq_len={SEQ_LEN}",
                        "data.val_fraction=0.2")
-    build_dataset(cfg)
+    with caplog.at_level("INFO", logger="forgeline"):
+        build_dataset(cfg)
     entry = read_manifest(Path(cfg.data.out_dir))["sources"]["chats"]
     assert entry["removed"] == {"tool_calls_not_rendered": 1} and entry["kept"] == 29
+    assert "source chats: 30 conversations read, 29 kept" in caplog.text
+    assert "exchanges left out (alone longer than a row)" in caplog.text
 
 
 def test_a_source_that_loses_too_many_conversations_fails_with_counts_and_examples(caplog) -> None:

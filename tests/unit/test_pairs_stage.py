@@ -92,3 +92,12 @@ def test_a_reply_budget_the_context_cannot_hold_is_refused(tmp_path: Path, expor
     with pytest.raises(ConfigError, match=r"pairs.max_new_tokens=128 leaves no room for a prompt in the "
                                           r"base's 128-token context"):
         preflight_pairs(pairs_config(tmp_path, export, "pairs.max_new_tokens=128"))
+
+
+def test_a_reply_budget_a_row_cannot_hold_twice_is_said_before_sampling(tmp_path: Path, export: Path,
+                                                                        caplog) -> None:
+    with caplog.at_level("WARNING", logger="forgeline"):
+        preflight_pairs(pairs_config(tmp_path, export, "data.seq_len=192"))  # 2 x 96 fit
+        assert "do not fit one row" not in caplog.text
+        preflight_pairs(pairs_config(tmp_path, export, "data.seq_len=191"))
+    assert "two replies of pairs.max_new_tokens=96 do not fit one row of data.seq_len=191 + 1" in caplog.text

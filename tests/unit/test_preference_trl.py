@@ -25,7 +25,7 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference  # noqa: E402
 from forgeline.configs.schema import LoraConfig, PreferenceConfig  # noqa: E402
 from forgeline.model.hf import export_hf, from_hf_state_dict, import_hf  # noqa: E402
 from forgeline.model.lora import apply_lora, is_adapter, peft_config, peft_state_dict  # noqa: E402
-from forgeline.model.training.preference import PreferenceObjective  # noqa: E402
+from forgeline.model.training.preference import STATS, PreferenceObjective  # noqa: E402
 from forgeline.model.training.step import TrainStep  # noqa: E402
 from tests.chat import save_chat_tokenizer  # noqa: E402
 from tests.preference import PAIRS, packed_rows, rendered_pairs  # noqa: E402
@@ -125,6 +125,7 @@ def test_full_dpo_loss_gradients_and_metrics_equal_trls(process_group: None, tok
     assert set(ours) == set(trl_grads)
     for name, grad in ours.items():
         torch.testing.assert_close(grad, trl_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert set(result.metrics) == set(STATS)  # every metric TRL logs, each compared below
     for name, value in result.metrics.items():
         assert value == pytest.approx(trl_metrics[name], abs=1e-5), name
     assert 0 < result.metrics["rewards/accuracies"] < 1  # a test of the rewards that could fail
@@ -169,6 +170,7 @@ def test_lora_dpo_against_the_model_with_its_adapters_off_equals_trl_with_peft(
     assert set(ours) == set(adapters) and len(ours) == 2 * 4 * shape.n_layers
     for name, grad in ours.items():
         torch.testing.assert_close(grad, adapters[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert set(result.metrics) == set(STATS)  # every metric TRL logs, each compared below
     for name, value in result.metrics.items():
         assert value == pytest.approx(trl_metrics[name], abs=1e-5), name
 
@@ -197,6 +199,7 @@ def test_simpo_loss_gradients_and_metrics_equal_trls_cpo_trainer(process_group: 
     theirs = from_hf_state_dict({name: p.grad for name, p in policy_hf.named_parameters()}, shape)
     for name, param in policy.named_parameters():
         torch.testing.assert_close(catcher.caught[param], theirs[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert set(result.metrics) == set(STATS)  # every metric TRL logs, each compared below
     for name, value in result.metrics.items():
         assert value == pytest.approx(metrics[name], abs=1e-5), name
 

@@ -374,3 +374,15 @@ def test_a_reproduction_moves_only_the_outputs_of_the_recorded_pipelines_stages(
     assert load_config("debug.yaml", moved).pairs is None
     makes_pairs = output_overrides(tmp_path / "again", debug_config(tmp_path, *MAKES_PAIRS))
     assert f"pairs.out_dir={tmp_path / 'again' / 'pairs'}" in makes_pairs
+
+
+def test_configs_that_make_other_pairs_build_their_data_apart() -> None:
+    """The data's directories were named by the data section only: two configs differing in their
+    pairs section shared, and overwrote, one snapshot and one data directory (failed before)."""
+    def placed(*overrides: str) -> tuple[str, str]:
+        cfg = load_config("debug.yaml", [*MAKES_PAIRS, *overrides])
+        return cfg.data.out_dir, cfg.data.raw_dir
+
+    assert placed() == placed()
+    data, raw = zip(placed(), placed("pairs.num_prompts=64"), strict=True)
+    assert len(set(data)) == 2 and len(set(raw)) == 2
