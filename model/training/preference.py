@@ -318,8 +318,9 @@ def reference_log_probs(log_probs_of: Callable[[torch.Tensor | object], torch.Te
                 record = {"format": REFERENCE_FORMAT, "identity": identity,
                           "samples": {split: len(array) for split, array in arrays.items()}}
                 (tmp / REFERENCE_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        except FileExistsError:  # another run on the same base and data wrote them meanwhile
-            pass
+        except OSError:  # another run on the same base and data wrote them meanwhile (refused, or
+            if not (directory / REFERENCE_RECORD).is_file():  # its rename came between ours)
+                raise
         log.info("reference log-probabilities of %s samples in %.1f s, in %s",
                  " + ".join(f"{len(array)} {split}" for split, array in arrays.items()),
                  time.perf_counter() - started, directory)
