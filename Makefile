@@ -28,7 +28,9 @@ $(VENV)/.installed: pyproject.toml pylock.toml pylock.data.toml
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -r pylock.toml
 	$(BIN)/python -m pip install --quiet --no-deps -r pylock.data.toml
-	$(BIN)/python -m pip install --quiet --no-deps -e .
+	# setuptools' note on every editable install of a mapped layout, that folders named like the
+	# package may shadow it (none is named forgeline): a newcomer's first screen is forgeline's.
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
 
 # The lock from PyPI alone (this machine's pip configuration names local mirrors), newest

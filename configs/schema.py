@@ -942,6 +942,10 @@ class TrainConfig(Section):
         return self
 
 
+# The persistent tiers tested (tests/unit/test_checkpoint.py; S3 on a moto server: integration tests).
+PERSISTENT_SCHEMES = ("file", "s3")
+
+
 class CheckpointConfig(Section):
     """Sharded torch.distributed.checkpoint saves under `<train.out_dir>/checkpoints`,
     committed with a sha256 manifest; never overwritten."""
@@ -964,6 +968,17 @@ class CheckpointConfig(Section):
     """fsspec URL (file:///..., s3://bucket/prefix) each committed checkpoint is uploaded to in
     the background; resume pulls from it when the local copy is missing. Empty: local only.
     For s3, credentials and endpoint come from the usual AWS environment variables."""
+
+    @field_validator("persistent_url")
+    @classmethod
+    def _a_scheme_that_works(cls, url: str) -> str:
+        """Checked here, not at the first upload, minutes into training."""
+        scheme = url.partition("://")[0] if "://" in url else ""
+        if url and scheme not in PERSISTENT_SCHEMES:
+            schemes = " or ".join(f"{name}://" for name in PERSISTENT_SCHEMES)
+            raise ValueError(f"{scheme}:// is not a checkpoint tier forgeline uploads to; use {schemes} (or "
+                             "leave it empty: local only)")
+        return url
 
 
 Dimension = Literal["reasoning", "knowledge", "math", "code", "safety", "language_modeling",

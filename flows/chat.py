@@ -191,14 +191,30 @@ def read_prompts(path: Path) -> list[dict]:
         return [{"prompt": line} for line in lines]
     records = []
     for number, line in enumerate(lines, 1):
-        record = json.loads(line)
-        if not isinstance(record, dict) or not (isinstance(record.get("prompt"), str)
-                                                or isinstance(record.get("messages"), list)):
-            raise ConfigError(f"{path}:{number}: each line needs a `prompt` (a string) or `messages` (a list "
-                              "of {role, content}); a file of plain prompts is read line by line when its "
-                              "name does not end in .jsonl")
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{number}: not JSON ({err.msg}); {PROMPT_LINE}") from None
+        if not is_prompt(record):
+            raise ConfigError(f"{path}:{number}: {PROMPT_LINE}")
         records.append(record)
     return records
+
+
+PROMPT_LINE = ("each line needs a `prompt` (a string) or `messages` (a non-empty list of {role, content}); a "
+               "file of plain prompts is read line by line when its name does not end in .jsonl")
+
+
+def is_prompt(record: object) -> bool:
+    """A prompts file's JSON line that can be rendered: a string prompt, or messages to template."""
+    if not isinstance(record, dict):
+        return False
+    if "messages" not in record:
+        return isinstance(record.get("prompt"), str)
+    messages = record["messages"]
+    return isinstance(messages, list) and bool(messages) and all(
+        isinstance(message, dict) and all(isinstance(message.get(key), str) for key in ("role", "content"))
+        for message in messages)
 
 
 def generate_file(talker: Talker, settings: Sampling, records: list[dict], out: TextIO,
@@ -206,7 +222,7 @@ def generate_file(talker: Talker, settings: Sampling, records: list[dict], out: 
     """Each record with its `output`, as a JSON line, in the records' order: `batch_size` rows
     decode at once, a record whose reply ends giving its row to the next (continuous batching);
     a record is written as soon as it and every record before it are done."""
-    prompts = [talker.encode(render_chat(talker.tokenizer, record["messages"]) if record.get("messages")
+    prompts = [talker.encode(render_chat(talker.tokenizer, record["messages"]) if "messages" in record
                              else record["prompt"]) for record in records]
     new: list[list[int]] = [[] for _ in records]
     done = [False] * len(records)

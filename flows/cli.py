@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -470,7 +470,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     from forgeline.flows.pipeline import pipeline_flow
 
     parameters = dict(config=args.config, overrides=args.overrides, force=args.force)  # as typed
-    result = run_flow(pipeline_flow, parameters, stages, cfg)
+    result, _ = run_flow(pipeline_flow, parameters, stages, cfg)
     print(f"MLflow run: {result.run_id}")
     from forgeline.tasks.tracking import run_link, runs_link  # imported already: the flow ran here
 
@@ -478,20 +478,9 @@ def run_pipeline(args: argparse.Namespace) -> int:
     print(f"MLflow runs table, with the scores: {runs_link(cfg)}")
     print(f"Registered model: {result.model_name} version {result.model_version}")
     print(f"Promotion: {result.promotion}")
-    from forgeline.eval.scores import Z95  # imported already: the flow ran in this process
+    from forgeline.flows.endings import score_lines
 
-    base = result.base_dimensions or {}
-
-    def interval(key: str) -> str:  # the half-width of the 95 % interval
-        return f" ± {Z95 * result.stderrs[key]:.3f}" if key in result.stderrs else ""
-
-    print(f"Eval (chance-normalized, 0 = chance, 1 = best; ± 95 % interval): overall {result.overall:.3f}"
-          + interval("overall") + (f" (its base {result.base_overall:.3f})" if base else ""))
-    for name, score in result.dimensions.items():
-        print(f"  {name}: {score:.3f}" + interval(name) + (f" (base {base[name]:.3f})" if base else ""))
-    if result.detectable is not None:
-        print(f"Smallest overall change these items detect against another model (80 % power at the "
-              f"gate's Holm-corrected 5 %): {result.detectable:.3f}")
+    print("\n".join(score_lines(result)))
     return 0
 
 
@@ -516,15 +505,19 @@ def rerun_stage(args: argparse.Namespace) -> int:
     # What the user typed (the flow applies the upstream run's outputs again, as a deployment's does).
     parameters = dict(config=args.config, overrides=args.overrides, upstream_run=args.upstream_run,
                       force=args.force, **options)
-    result = run_flow(STAGE_FLOWS[stage.name], parameters, (stage,), cfg)
-    print(f"{stage.name}: {result}")
+    result, ended = run_flow(STAGE_FLOWS[stage.name], parameters, (stage,), cfg)
+    from forgeline.flows.endings import stage_lines
+
+    print("\n".join(stage_lines(stage.name, result)))
+    print(ended)  # which stage ran or was cached; its MLflow run, linked
     return 0
 
 
 def run_flow(flow: Callable, parameters: dict[str, object], stages: tuple[Stage, ...] = (),
-             cfg: Config | None = None) -> object:
-    """`flow(**parameters)`. `stages`, those it runs on `cfg`: which of them finished, should the
-    Prefect API go away before the flow run's end is reported."""
+             cfg: Config | None = None) -> tuple[Any, str]:
+    """`flow(**parameters)`'s result, and its final state's message. `stages`, those it runs on
+    `cfg`: which of them finished, should the Prefect API go away before the flow run's end is
+    reported."""
     from prefect.settings import PREFECT_API_URL
 
     from forgeline.flows import orchestrator
@@ -538,7 +531,8 @@ def run_flow(flow: Callable, parameters: dict[str, object], stages: tuple[Stage,
             logging.getLogger(__name__).info("%s", line)
     started = time.time()
     try:
-        return flow(**parameters)
+        state = flow(**parameters, return_state=True)
+        return state.result(), state.message  # result() raises what the flow raised
     except Exception as err:
         record = orchestrator.unreported_record(started)
         if record is not None:
@@ -586,7 +580,7 @@ def write_base_only(stage: Stage, cfg: Config) -> int:
     if not stage.reads_base:
         raise ValueError(f"stage {stage.name} does not read the base; --base-only is for "
                          f"{', '.join(s.name for s in pipeline_stages(cfg) if s.reads_base)}")
-    from forgeline.tasks.cache import write_base_stamp
+    from forgeline.tasks.dvc_lock import write_base_stamp
 
     written = write_base_stamp(cfg)
     print(f"{BASE.name}: {BASE.path(cfg)} ({'written' if written else 'unchanged, not rewritten'})")
@@ -764,8 +758,9 @@ def reproduce_run(args: argparse.Namespace) -> int:
     tracking = [f"registry.tracking_uri={cfg.registry.tracking_uri or 'null'}"]
     from forgeline.flows.pipeline import reproduce_flow
 
-    run_id, scores = run_flow(reproduce_flow, dict(config=str(root / "config.yaml"),
-                                                   overrides=overrides + tracking, reproduces=args.run_id))
+    parameters = dict(config=str(root / "config.yaml"), overrides=[*overrides, *tracking],
+                      reproduces=args.run_id)
+    (run_id, scores), _ = run_flow(reproduce_flow, parameters)
     checks = compare(recorded, dvc_hash(root / "data"), scores, args.tolerance)
     print(f"reproduced run {args.run_id} as {run_id} (outputs in {root}):")
     for check in checks:

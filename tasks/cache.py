@@ -76,19 +76,6 @@ def stage_inputs(stage: Stage, cfg: Config) -> dict[str, Any]:
     return inputs
 
 
-def write_base_stamp(cfg: Config, identity: dict[str, Any] | None = None) -> bool:
-    """Write the base's identity (resolved here unless given) to its stamp (dvc.yaml's `base`
-    stage), only if it changed: an unchanged base leaves the file as it was, and the stages that
-    depend on it are not rerun. Whether it was written."""
-    path = BASE.path(cfg)
-    text = json.dumps(identity or resolve(BASE.identity)(cfg), indent=2, sort_keys=True) + "\n"
-    if path.is_file() and path.read_text() == text:
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, text)
-    return True
-
-
 def _dep_path(stage: str, path: str, cfg: Config) -> str:
     """An upstream output as dvc.yaml names it: the config's value of its directory, and the path
     inside it."""

@@ -24,6 +24,7 @@ Prefect retry it. The warning names the cause and `dvc commit -f` of the stages.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -35,8 +36,9 @@ from typing import Any
 import yaml
 
 from forgeline.configs import Config, load_config
+from forgeline.tasks.atomic import write_text_atomic
 from forgeline.tasks.dvc_yaml import Paths, dvc_stages
-from forgeline.tasks.stage import BASE, Stage
+from forgeline.tasks.stage import BASE, Stage, resolve
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +63,38 @@ def in_dvc_repository() -> bool:
     return Path(".dvc").is_dir() and DVC_YAML.is_file() and "DVC_STAGE" not in os.environ
 
 
+def described_stages() -> dict[str, Any]:
+    """dvc.yaml's stages; empty for an empty file. A file DVC could not read raises DvcYamlError."""
+    try:
+        described = yaml.safe_load(DVC_YAML.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise DvcYamlError(f"{DVC_YAML} is not YAML ({err})") from None
+    stages = described.get("stages") if isinstance(described, dict) else None
+    if not isinstance(stages or {}, dict):
+        raise DvcYamlError(f"{DVC_YAML}'s `stages` is not a mapping of stage names")
+    return stages or {}
+
+
+class DvcYamlError(ValueError):
+    """dvc.yaml cannot be read as DVC reads it: nothing is recorded, and the log says why."""
+
+
+def params_file_of(entry: Any) -> str | None:
+    """The params file a stage entry as `forgeline stages` renders it reads (`params: [{FILE:
+    [keys]}]`); None for any other form (DVC's usual `params: [lr]`, none at all)."""
+    params = entry.get("params") if isinstance(entry, dict) else None
+    first = params[0] if isinstance(params, list) and params else None
+    return next(iter(first)) if isinstance(first, dict) and len(first) == 1 else None
+
+
 def why_not_described(name: str, cfg: Config, listed: dict[str, Any]) -> str | None:
     """Why dvc.yaml's stage `name` is not this run's (None: it is): its entry differs from the
     one rendered for `cfg`, or the params file's values of its params differ from `cfg`'s."""
     if name not in listed:
         return f"dvc.yaml has no stage {name}"
-    [params_file] = listed[name]["params"][0]
-    if dvc_stages(params_file, Paths(cfg)).get(name) != listed[name]:
-        return (f"dvc.yaml's stage {name} is not this run's (its paths or deps differ: `forgeline stages "
-                "--dvc CONFIG` renders a config's, `forgeline stages --write` the default's)")
+    params_file = params_file_of(listed[name])
+    if params_file is None or dvc_stages(params_file, Paths(cfg)).get(name) != listed[name]:
+        return (f"dvc.yaml's stage {name} is not this run's (its paths, deps or params differ)")
     described = load_config(params_file)
     keys = listed[name]["params"][0][params_file]
     differing = [key for key in keys if cfg.value(key) != described.value(key)]
@@ -79,25 +104,42 @@ def why_not_described(name: str, cfg: Config, listed: dict[str, Any]) -> str | N
     return None
 
 
+# Whether this process said why a stage was not recorded: the stages of one run share the reason
+# (another config's dvc.yaml), said once a run, not after each stage.
+_told_not_described: list[str] = []
+
+
+def tell_not_recorded(name: str, reason: str) -> None:
+    """Say once a process (a run) that dvc.lock does not record this run, and how to make it."""
+    if _told_not_described:
+        log.debug("dvc.lock: stage %s not recorded: %s", name, reason)
+        return
+    _told_not_described.append(name)
+    log.info("dvc.lock: this run's stages are not recorded, from %s on: %s. `forgeline stages --dvc CONFIG "
+             "> dvc.yaml` describes a config's run (said once a run)", name, reason)
+
+
 def record_in_dvc_lock(stage: Stage, cfg: Config, base_identity: dict[str, Any] | None) -> None:
     """Commit the DVC stages of `stage` (`dvc_stage_names`) that dvc.yaml describes for `cfg` to
     dvc.lock and DVC's cache, after it ran or was skipped. `base_identity`: the base's identity its
     cache key resolved, written to the base stamp first (only if it changed)."""
     if not in_dvc_repository():
         return
-    listed = yaml.safe_load(DVC_YAML.read_text()).get("stages", {})
+    try:
+        listed = described_stages()
+    except (DvcYamlError, OSError) as err:  # a warning: see the module docstring
+        log.warning("dvc.lock: stage %s not recorded: %s", stage.name, err)
+        return
     names = []
     for name in dvc_stage_names(stage):
         reason = why_not_described(name, cfg, listed)
         if reason is None:
             names.append(name)
         else:
-            log.info("dvc.lock: stage %s not recorded: %s", name, reason)
+            tell_not_recorded(name, reason)
     if not names:
         return
     if BASE.name in names:
-        from forgeline.tasks.cache import write_base_stamp  # cache imports this module
-
         write_base_stamp(cfg, base_identity)
     from dvc.exceptions import DvcException  # DVC is slow to import: only where it records something
 
@@ -109,6 +151,19 @@ def record_in_dvc_lock(stage: Stage, cfg: Config, base_identity: dict[str, Any] 
                     "`dvc commit -f %s`", ", ".join(names), type(err).__name__, err, " ".join(names))
         return
     log.info("dvc.lock: recorded stages %s (%.1f s)", ", ".join(names), time.monotonic() - started)
+
+
+def write_base_stamp(cfg: Config, identity: dict[str, Any] | None = None) -> bool:
+    """Write the base's identity (resolved here unless given) to its stamp (dvc.yaml's `base`
+    stage), only if it changed: an unchanged base leaves the file as it was, and the stages that
+    depend on it are not rerun. Whether it was written."""
+    path = BASE.path(cfg)
+    text = json.dumps(identity or resolve(BASE.identity)(cfg), indent=2, sort_keys=True) + "\n"
+    if path.is_file() and path.read_text() == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, text)
+    return True
 
 
 def commit(names: list[str]) -> None:

@@ -24,6 +24,11 @@ def test_stage_runs_against_the_server_in_prefect_api_url(tmp_path: Path, prefec
     monkeypatch.setenv("PREFECT_API_URL", prefect_server)
     done = run([str(VENV_BIN / "forgeline"), "stage", "data", "--config", "debug.yaml"], workdir)
     assert "Starting temporary server" not in done.stdout + done.stderr
+    # It ends in sentences, as `forgeline run` does: what it made, where, its MLflow run (a repr before).
+    made, ended = done.stdout.splitlines()[-2:]
+    assert re.fullmatch(r"data: 775 documents, [\d,]+ training tokens in [\d,]+ rows, [\d,]+ validation "
+                        r"rows; in \S+", made), made
+    assert re.fullmatch(r"ran data; MLflow run \w+: http://\S+ .*", ended), ended
     flow_runs = httpx.post(f"{prefect_server}/flow_runs/filter", json={}, timeout=30).json()
     [flow_run] = flow_runs
     flow = httpx.get(f"{prefect_server}/flows/{flow_run['flow_id']}", timeout=30).json()

@@ -136,6 +136,11 @@ def test_prompts_files_are_lines_or_json_lines(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"text": "ROMEO:"}\n')
     with pytest.raises(ConfigError, match="bad.jsonl:1: each line needs a `prompt`"):
         read_prompts(tmp_path / "bad.jsonl")
+    # An empty message list (it ended in KeyError: 'prompt'), a message without content, not JSON.
+    for number, bad in enumerate(['{"messages": []}', '{"messages": [{"role": "user"}]}', "ROMEO:"], 2):
+        (tmp_path / "bad.jsonl").write_text('{"prompt": "ROMEO:"}\n' * (number - 1) + bad + "\n")
+        with pytest.raises(ConfigError, match=f"bad.jsonl:{number}: .*each line needs a `prompt`"):
+            read_prompts(tmp_path / "bad.jsonl")
 
 
 def test_a_prompts_file_is_answered_in_its_order_with_rows_handed_on(talker: Talker) -> None:

@@ -262,3 +262,10 @@ def test_the_log_scrubber_masks_url_passwords_in_messages_and_tracebacks() -> No
     assert SECRET not in text
     assert "postgresql://ml:***@db/mlflow" in text and "redis://:***@cache:6379" in text
     assert "s3://bucket/run@v2 failed" in text
+
+
+def test_a_checkpoint_tier_of_a_scheme_forgeline_does_not_upload_to_is_refused_up_front() -> None:
+    """It passed `config show` and failed at the first checkpoint's upload."""
+    with pytest.raises(ConfigError, match=r"checkpoint\.persistent_url: ftp:// is not a checkpoint tier .* "
+                                          r"use file:// or s3://"):
+        load_config("debug.yaml", ["checkpoint.persistent_url=ftp://x/y"])

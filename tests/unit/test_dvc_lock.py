@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from forgeline.configs import load_config
+from forgeline.tasks import dvc_lock
 from forgeline.tasks.dvc_lock import (
     commit,
     dvc_stage_names,
@@ -51,11 +52,50 @@ def test_only_the_run_dvc_yaml_describes_is_recorded(described: dict) -> None:
         "eval": "this run's eval differ from configs/tiny.yaml's, which dvc.yaml's stage eval reads"}
     # A key that names the run moves its directories: train's, and eval's and register's, which read it.
     assert set(not_described("train.lr=0.01")) == {"train", "eval", "register"}
-    assert "paths or deps differ" in not_described("train.lr=0.01")["train"]
+    assert "paths, deps or params differ" in not_described("train.lr=0.01")["train"]
     # A fine-tuning run under a pretraining dvc.yaml: its base and data are named elsewhere.
     sft = load_config("smollm2-sft.yaml")  # the shipped one
     assert dvc_stage_names(stage_named("sft")) == ("base", "sft")
     assert why_not_described("sft", sft, described) == "dvc.yaml has no stage sft"
+
+
+def test_another_configs_run_is_said_once_a_run(described: dict, caplog: pytest.LogCaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of a config dvc.yaml does not describe: one line for the whole run (each stage said it,
+    three to five 200-character lines a run), naming the command that describes it."""
+    monkeypatch.setattr(dvc_lock, "_told_not_described", [])
+    Path(".dvc").mkdir()
+    cfg = load_config("smollm2-sft.yaml")  # the shipped one, under configs/tiny.yaml's dvc.yaml
+    with caplog.at_level(logging.INFO, logger="forgeline.tasks.dvc_lock"):
+        for name in ("data", "sft", "eval", "register"):
+            record_in_dvc_lock(stage_named(name), cfg, None)
+    [said] = [entry.getMessage() for entry in caplog.records if entry.levelno >= logging.INFO]
+    assert said.startswith("dvc.lock: this run's stages are not recorded, from base on: dvc.yaml's stage "
+                           "base is not this run's") and "`forgeline stages --dvc CONFIG > dvc.yaml`" in said
+
+
+@pytest.mark.parametrize("dvc_yaml", [
+    "",  # empty
+    "stages:\n  train:\n    cmd: python train.py\n    params: [lr]\n",  # DVC's usual params form
+    "stages:\n  train:\n    cmd: python train.py\n",  # no params
+    "stages: [train]\n",
+    "stages: {train: [\n",  # not YAML
+], ids=["empty", "params-list", "no-params", "stages-list", "not-yaml"])
+def test_a_users_own_dvc_yaml_is_a_warning_not_the_stages_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        dvc_yaml: str) -> None:
+    """A user's dvc.yaml with a stage of forgeline's names, in DVC's own forms: the finished stage
+    does not fail (it raised outside the warning's try, and each Prefect retry failed the same)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(dvc_lock, "_told_not_described", [])
+    Path(".dvc").mkdir()
+    Path("dvc.yaml").write_text(dvc_yaml)
+    cfg = load_config("tiny.yaml")
+    with caplog.at_level(logging.INFO, logger="forgeline.tasks.dvc_lock"):
+        record_in_dvc_lock(stage_named("train"), cfg, None)
+    [said] = [entry.getMessage() for entry in caplog.records if entry.levelno >= logging.INFO]
+    assert said.startswith("dvc.lock: "), said
+    assert not Path("dvc.lock").exists()
 
 
 def test_under_dvc_repro_nothing_is_recorded(described: dict, monkeypatch: pytest.MonkeyPatch) -> None:

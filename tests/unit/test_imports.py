@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tomllib
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import pytest
@@ -38,12 +39,15 @@ def modules() -> list[tuple[str, Path]]:
 
 
 def forgeline_imports(path: Path) -> set[str]:
+    """The forgeline modules it imports: `from PACKAGE import MODULE` names the module."""
+    known = {module for module, _ in modules()}
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & known
+            names |= submodules or {node.module}
     return {name for name in names if name.startswith("forgeline.")}
 
 
@@ -59,6 +63,17 @@ def rank(module: str) -> tuple[int, int]:
 def test_no_module_imports_a_layer_above_its_own(module: str, path: Path) -> None:
     upward = [name for name in forgeline_imports(path) if rank(name) > rank(module)]
     assert not upward, f"{module} imports {upward}, above it in configs <- model <- eval <- tasks <- flows"
+
+
+def test_no_modules_import_each_other() -> None:
+    """No cycle of imports, those inside functions too (a function-level import back is how a cycle
+    hides; tasks/cache.py and tasks/dvc_lock.py had one): a package's __init__ importing its own
+    modules is no cycle."""
+    graph = {module: forgeline_imports(path) - {module} for module, path in modules()}
+    try:
+        tuple(TopologicalSorter(graph).static_order())
+    except CycleError as err:
+        pytest.fail(f"an import cycle: {' -> '.join(reversed(err.args[1]))}")
 
 
 @pytest.mark.parametrize("package", sorted({p.parent for _, p in modules()}), ids=lambda p: str(p.name))
@@ -95,4 +110,6 @@ def test_the_rank_program_imports_no_launcher_libraries() -> None:
 def test_every_package_is_installed() -> None:
     """A wheel holds the packages pyproject.toml lists: every folder of the layers must be one."""
     listed = set(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    assert listed == {module for module, path in modules() if path.name == "__init__.py"}
+    # eval/tasks/: lm-eval's task files, data of a package of its own (setuptools warned without it)
+    packages = {module for module, path in modules() if path.name == "__init__.py"}
+    assert listed == packages | {"forgeline.eval.tasks"}
