@@ -196,28 +196,25 @@ def build_from_snapshot(cfg: Config) -> DataResult:
                           for n in range(len(partitions))] for split in ("train", "val")}
         tokenizing = {split: executor.submit(f"tokenize-{split}", w.tokenize_piece, pieces[split])
                       for split in pieces}
-        splits, writing = {}, {}
+        stems = {split: tuple(str(piece.stem) for piece in pieces[split]) for split in pieces}
+        packings = {split: str(Path(plan.work_dir, f"packing-{split}")) if chat else None for split in pieces}
+        splits = {}
         for split, submitted in tokenizing.items():
             tokens = count_tokens(plan, submitted.results(), split, stats, examples)
             rendered = rendered_counts(plan, split, stats) if chat else {}
-            stems = tuple(str(piece.stem) for piece in pieces[split])
-            packing = str(Path(plan.work_dir, f"packing-{split}")) if chat else None
-            samples = (w.write_packing(Path(packing), stems, chat.row_tokens, 2 if chat.pairs else 1) if chat
-                       else max(0, (tokens - 1) // dcfg.seq_len))
+            rows_a_unit = 2 if chat and chat.pairs else 1  # a pair's two replies
+            samples = (w.write_packing(Path(packings[split]), stems[split], chat.row_tokens, rows_a_unit)
+                       if chat else max(0, (tokens - 1) // dcfg.seq_len))
             if samples == 0:
                 raise ValueError(f"the {split} split has {tokens} tokens, fewer than one sample of "
                                  f"data.seq_len + 1 = {dcfg.seq_len + 1}; lower data.seq_len or add text")
-            groups = shard_groups(split, stems, samples, dcfg, tmp, num_workers, packing, eos_id)
-            writing[split] = executor.submit(f"shards-{split}", w.write_shard_group, groups)
             splits[split] = {"documents": documents[split], "tokens": tokens, "samples": samples, **rendered}
-        if chat:
-            try:
-                check_dropped(stats, examples, dcfg.max_dropped_fraction,
-                              "pairs" if plan.pairs else "conversations")
-            except ValueError:
-                for submitted in writing.values():  # written into the work directory the failure removes
-                    submitted.results()
-                raise
+        if chat:  # decided before any shard is written: a refusal leaves no write in flight
+            unit = "pairs" if plan.pairs else "conversations"
+            check_dropped(stats, examples, dcfg.max_dropped_fraction, unit)
+        writing = {split: executor.submit(f"shards-{split}", w.write_shard_group, shard_groups(
+            split, stems[split], splits[split]["samples"], dcfg, tmp, num_workers, packings[split], eos_id))
+            for split in splits}
         for split, submitted in writing.items():
             splits[split]["shards"] = shard_entries(submitted.results(), split, plan, stats)
         log.info("data: tokenizer ready, documents tokenized and packed at %.1f s",

@@ -30,6 +30,7 @@ from forgeline.model.training.shards import (
     read_manifest,
     split_shards,
 )
+from forgeline.tasks.data import build
 from forgeline.tasks.data.build import build_dataset, check_dropped
 from forgeline.tasks.data.chat import ChatTemplateError, conversation_of, load_chat_tokenizer, render_pieces
 from forgeline.tasks.data.clean import clean_conversation
@@ -334,6 +335,25 @@ def test_a_source_that_loses_too_many_conversations_fails_with_counts_and_exampl
     with pytest.raises(ValueError, match=r"chats loses 6 of its 100 conversations \(6.0%\), more than "
                                          r"data.max_dropped_fraction=0.05.*'a.jsonl:3: unknown_role'"):
         check_dropped(stats, examples, max_fraction=0.05)
+
+
+def test_a_refused_source_is_refused_before_any_shard_is_scheduled(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The train split's shards were scheduled before the check: their writes raced the cleanup
+    (FileNotFoundError tracebacks from the workers, the reason said four times)."""
+    chats = shipped_chats(30)
+    unknown = [[{"role": "narrator", "content": "Once."}, *chat] for chat in chats[:5]]
+    path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in [*chats[5:], *unknown]])
+    source = {"kind": "files", "path": str(path), "format": "messages", "name": "chats"}
+    cfg = debug_config(tmp_path, f"data.sources={json.dumps([source])}", "sft.lora=null",
+                       f"data.tokenizer_path={smollm2_tokenizer_dir()}", f"data.seq_len={SEQ_LEN}",
+                       "data.val_fraction=0.2", "data.max_dropped_fraction=0.05")
+    scheduled = []
+    monkeypatch.setattr(build, "shard_groups", lambda split, *args: scheduled.append(split))
+    with pytest.raises(ValueError, match=r"chats loses 5 of its 30 conversations"):
+        build_dataset(cfg)
+    assert scheduled == []
+    assert not Path(cfg.data.out_dir).exists()
 
 
 def cleaned_turns(messages: list[dict]) -> tuple[str | None, list[dict] | None]:
