@@ -66,12 +66,25 @@ def configure_console(verbose: bool, stream: TextIO | None = None) -> None:
 
 
 def shown_by_default(record: logging.LogRecord) -> bool:
-    """forgeline's INFO and above, Prefect's warnings and above, the rest's errors."""
+    """forgeline's INFO and above, Prefect's warnings and above but for its restatements of a
+    run's end, the rest's errors."""
     if is_forgelines(record):
         return record.levelno >= logging.INFO
     if record.name == "prefect" or record.name.startswith("prefect."):
-        return record.levelno >= logging.WARNING
+        return record.levelno >= logging.WARNING and not restates_a_runs_end(record)
     return record.levelno >= logging.ERROR
+
+
+# Prefect's run loggers say how each run ended -- the task run, the stage's flow run, the pipeline's
+# ("Crash detected! Execution was aborted by a termination signal." three times for one SIGTERM) --
+# which the command's last line says once (flows/cli.py): in the stage's log file only.
+RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+RUN_ENDINGS = ("Finished in state", "Crash detected!", "Encountered exception during execution",
+               "Task run failed with")
+
+
+def restates_a_runs_end(record: logging.LogRecord) -> bool:
+    return record.name in RUN_LOGGERS and record.getMessage().startswith(RUN_ENDINGS)
 
 
 STAGE_COLUMN = max(map(len, STAGE_NAMES)) + 1  # the stage's name and a space: messages line up

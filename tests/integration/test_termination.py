@@ -71,6 +71,7 @@ def test_sigterm_stops_every_process_of_the_run_and_the_rerun_resumes(tmp_path: 
         assert_nothing_left(run)
         assert cli.returncode == 128 + signal.SIGTERM, log.read_text()[-6000:]
         assert "forgeline: stopped by SIGTERM" in log.read_text()
+        assert "Crash detected" not in log.read_text()  # Prefect's, once a run around the work: no crash
     finally:
         if cli.poll() is None:
             cli.kill()
@@ -138,5 +139,6 @@ def test_ctrl_c_ends_in_one_sentence_like_sigterm(tmp_path: Path) -> None:
     console = err.read_text()
     assert cli.returncode == 128 + signal.SIGINT, console[-6000:]
     assert "Traceback" not in console and "SignalException" not in console, console[-6000:]
+    assert "Crash detected" not in console, console[-6000:]
     last_line = console.strip().splitlines()[-1]
     assert last_line.startswith("forgeline: stopped by SIGINT: the work was stopped"), console[-6000:]

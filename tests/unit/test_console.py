@@ -64,6 +64,12 @@ def test_the_default_console_shows_forgeline_events_and_other_libraries_errors_o
     logging.getLogger("mlflow.store.db.utils").info("Creating initial MLflow database tables...")
     logging.getLogger("prefect.task_runs").info("Finished in state Completed()")
     logging.getLogger("prefect.flow_runs").warning("the API did not answer")
+    # How a run ended, once per task and flow run around it: the command's last line says it once.
+    for logger in ("prefect.task_runs", "prefect.flow_runs", "prefect.flow_runs"):
+        logging.getLogger(logger).error("Crash detected! Execution was aborted by a termination signal.")
+    logging.getLogger("prefect.task_runs").error("Task run failed with exception: ValueError('x')")
+    logging.getLogger("prefect.task_runs").error("Finished in state Failed('Task run encountered an error')")
+    logging.getLogger("prefect.flow_runs").error("Encountered exception during execution: ValueError('x')")
     logging.getLogger("py.warnings").warning("UserWarning: Add type hints to the `predict` method")
     logging.getLogger("a.library").error("a library's error")
     lines = stream.getvalue().splitlines()
