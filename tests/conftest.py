@@ -99,19 +99,22 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-# The test files that hold a pytest-xdist worker longest, longest first: each took 3.4 to 31 min
-# of one worker in a CI run on the 2-core machine under load 6-15 (its workers sampled; about a
-# third of that on a quiet machine). bench/ci_durations.py prints them from a finished CI log.
-LONGEST_FIRST = ("integration/test_dvc.py", "integration/test_parity.py",
-                 "integration/test_families_layouts.py", "integration/test_promotion.py",
-                 "integration/test_dvc_inputs.py", "integration/test_pipeline_e2e.py",
-                 "integration/test_preference.py", "integration/test_preference_layouts.py",
-                 "integration/test_mlflow_ui.py", "integration/test_init_from.py",
-                 "integration/test_eval_identical_weights.py", "integration/test_data_dask.py",
-                 "integration/test_document_masking.py", "integration/test_deployments.py",
-                 "integration/test_job_retry.py", "integration/test_recovery.py",
-                 "integration/test_eval_parity.py", "integration/test_secrets_prefect.py",
-                 "integration/test_train.py")
+# The test files that hold a pytest-xdist worker longest, longest first: in `make test-slow` on
+# the 2-core machine (bench/ci_durations.py of its log, 2026-12-07) test_dvc.py held one for 26
+# min, test_families_layouts.py 9, and the next ones 3.5 to 6; in `make test`, test_pipeline_e2e,
+# test_recovery, test_train and their like.
+LONGEST_FIRST = ("integration/test_dvc.py", "integration/test_families_layouts.py",
+                 "integration/test_dvc_inputs.py", "integration/test_promotion.py",
+                 "integration/test_mlflow_ui.py", "integration/test_termination.py",
+                 "integration/test_preemption.py", "integration/test_data_dask.py",
+                 "integration/test_eval_identical_weights.py", "integration/test_tracking_outage.py",
+                 "integration/test_init_from_smollm2.py", "integration/test_deployments.py",
+                 "integration/test_init_from.py", "integration/test_preference.py",
+                 "integration/test_reproduce.py", "integration/test_document_masking.py",
+                 "integration/test_pipeline_e2e.py", "integration/test_parity.py",
+                 "integration/test_recovery.py", "integration/test_eval_parity.py",
+                 "integration/test_secrets_prefect.py", "integration/test_train.py",
+                 "integration/test_job_retry.py")
 
 
 def file_rank(item: pytest.Item) -> int:

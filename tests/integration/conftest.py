@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -12,7 +13,39 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from tests.integration.helpers import free_port, running_prefect_server
+from tests.integration.helpers import free_port, prefect_flow_runs, running_prefect_server
+
+
+@pytest.fixture(scope="session")
+def session_prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One `prefect server start` for the integration tests of this session (of this pytest-xdist
+    worker), as on a team's machine."""
+    with running_prefect_server(tmp_path_factory.mktemp("prefect-api")) as url:
+        yield url
+
+
+@pytest.fixture(autouse=True)
+def prefect_api(session_prefect_api: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """PREFECT_API_URL names the session's server to the test and every process it starts: a
+    `forgeline` command without one starts Prefect's temporary server (and migrates a fresh
+    database), ~12 s of CPU each, for some sixty commands a CI run. Tests of the temporary server
+    itself use `temporary_prefect_api`; of an API that goes away, their own server."""
+    monkeypatch.setenv("PREFECT_API_URL", session_prefect_api)
+    return session_prefect_api
+
+
+@pytest.fixture
+def temporary_prefect_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No PREFECT_API_URL: each `forgeline` command starts Prefect's temporary API, as on a
+    machine with no server (`make run`)."""
+    monkeypatch.delenv("PREFECT_API_URL")
+
+
+@pytest.fixture
+def flow_runs() -> Callable[[Path], list[dict]]:
+    """`prefect_flow_runs` of the flow runs this test made: the session's server holds others'."""
+    since = datetime.now(UTC)
+    return lambda workdir: prefect_flow_runs(workdir, since)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -90,17 +91,22 @@ def run_ranks(module: str, nproc: int, args: list[str], cwd: Path, timeout: floa
     assert done.returncode == 0, done.stderr[-8000:]
 
 
-def prefect_flow_runs(workdir: Path) -> list[dict]:
-    """Flow runs (with their stages' task runs, and apart the data build's partition work)
-    recorded in the Prefect database of `workdir`."""
+def prefect_flow_runs(workdir: Path, since: datetime) -> list[dict]:
+    """Flow runs made since `since` (with their stages' task runs, and apart the data build's
+    partition work), from the Prefect API a command in `workdir` reports to."""
     script = r"""
 import json
 import re
+import sys
+from datetime import datetime
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter
+since = datetime.fromisoformat(sys.argv[1])
 with get_client(sync_client=True) as client:
     out = []
     for fr in client.read_flow_runs():
+        if fr.created < since:
+            continue
         flow = client.read_flow(fr.flow_id)
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
         # The data build's partition work (data-clean-0, ...) runs as task runs of its own.
@@ -113,7 +119,8 @@ with get_client(sync_client=True) as client:
                     "partition_work": sorted((t.name, t.state.type.value) for t in work)})
 print(json.dumps(out))
 """
-    done = run([sys.executable, "-c", "import forgeline.flows\n" + script], workdir, timeout=300)
+    done = run([sys.executable, "-c", "import forgeline.flows\n" + script, since.isoformat()], workdir,
+               timeout=300)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

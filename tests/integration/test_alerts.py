@@ -23,7 +23,8 @@ from forgeline.model.training.metrics import MetricsLogger
 from tests.conftest import REPO_ROOT, debug_config
 from tests.integration.helpers import run_ranks
 
-pytestmark = pytest.mark.integration
+# prefect_test_harness is the API here, as for a machine with no server of its own.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("temporary_prefect_api")]
 
 
 @pytest.fixture(autouse=True)

@@ -208,6 +208,7 @@ def test_stage_runs_its_partition_work_on_a_dask_scheduler(tmp_path: Path, raw_d
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("temporary_prefect_api")
 def test_dask_workers_report_to_the_stages_temporary_prefect_api(tmp_path: Path, raw_dir: Path) -> None:
     """The default config (`executor: dask`, a local cluster) as `forgeline stage data` runs it: the
     local cluster's workers print to the stage's own output, where their Prefect log lines show

@@ -7,8 +7,8 @@ does: the same change -- to each stage's config section, to its code, to an upst
 eval rerun whose scores do not move -- reruns the same stages in both. Inputs from outside the
 repository (a base rewritten in place, raw files): tests/integration/test_dvc_inputs.py.
 
-The stages DVC runs report to one real Prefect server for the module (PREFECT_API_URL), as on a
-team's machine, instead of each starting a temporary one (test_pipeline_e2e.py runs that way).
+The stages DVC runs report to the session's real Prefect server (PREFECT_API_URL), as on a team's
+machine, instead of each starting a temporary one (test_pipeline_e2e.py runs that way).
 The `forgeline` that DVC runs is the copy's own code (`PYTHONPATH` to a `forgeline` package made
 of the copy's folders), so a change to a source file there is one that DVC hashes and forgeline
 runs and hashes alike."""
@@ -33,7 +33,7 @@ from forgeline.tasks.stage import STAGE_NAMES
 from forgeline.tasks.tracking import dvc_hash
 from tests.conftest import REPO_ROOT
 from tests.integration.conftest import make_bucket
-from tests.integration.helpers import VENV_BIN, run, running_prefect_server
+from tests.integration.helpers import VENV_BIN, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 
@@ -44,12 +44,12 @@ LAYERS = ("configs", "model", "eval", "tasks", "flows")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`prefect server start` on 127.0.0.1, named by PREFECT_API_URL to every process started here."""
-    root = tmp_path_factory.mktemp("prefect")
-    with pytest.MonkeyPatch.context() as env, running_prefect_server(root) as url:
-        env.setenv("PREFECT_API_URL", url)
-        yield url
+def prefect_api(session_prefect_api: str) -> Iterator[str]:
+    """The session's `prefect server start`, named by PREFECT_API_URL to every process started
+    here, the module's `dvc repro` (a fixture of its own) too."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PREFECT_API_URL", session_prefect_api)
+        yield session_prefect_api
 
 
 def fresh_repo(root: Path) -> Path:
@@ -245,15 +245,20 @@ def edit_output(field: str, path: str):
 # What changes, and the stages `dvc repro` then reruns or restores (besides the always-changed
 # ones), in pipeline order. A stage's code is what it imports (tasks/code_inputs.py): eval's
 # helpers are train's (the in-training evaluation) and register's (the gate re-evaluates) too.
+# A change marked FORGELINE_RUN is run by `forgeline run` instead, without DVC.
+FORGELINE_RUN = "forgeline run"
 CHANGES = [
     ("the register stage's config section", set_value("registry.promotion_margin", 0.01), ["register"]),
     ("the eval stage's config section, its scores unchanged", set_value("eval.during_training.limit", 2),
      ["eval"]),
     ("the data stage's output, edited by hand", edit_output("data.out_dir", "val_docs.jsonl"), ["data"]),
     # A module only imported helpers use (eval/lm.py), in no record: the hand-written lists missed
-    # it in eval's and register's. Train resumes at its last step, its output unchanged.
+    # it in eval's and register's. Train resumes at its last step, its output unchanged. Run by
+    # `forgeline run`: it records what it ran and skipped in dvc.lock, as `dvc commit` does, so
+    # that DVC has nothing left to do; register finds the version it registered for the same
+    # checkpoint and scores.
     ("a module train, eval and register import", touch_code("model/inference.py"),
-     ["train", "eval", "register"]),
+     ["train", "eval", "register"], FORGELINE_RUN),
     ("the train stage's config section", set_value("train.lr", 0.002), ["train", "eval", "register"]),
     # build.json, in the data's output, records the code: train resumes, eval scores the same.
     # (Not the data stage's config section: like register's and eval's here, its key holds it,
@@ -278,20 +283,31 @@ def forgeline_runs(repo: Path, known: set[str]) -> list[str]:
 
 
 @pytest.mark.slow
-# 24 stage runs through DVC, 12 of them the always-changed base and sources: about 8 min on this
-# 2-core machine.
+# 20 stage runs through DVC, 10 of them the always-changed base and sources, and a `forgeline run`:
+# about 8 min on this 2-core machine.
 @pytest.mark.timeout(3000)
 def test_the_stage_cache_decides_as_dvc_repro_does(reproduced: Path, tmp_path: Path) -> None:
     """After each change, `dvc status` and `forgeline status` name the same stages; `dvc repro` then
     runs the stages forgeline's cache runs (DVC restores from its run cache what it recorded for
     the same deps, an output edited by hand: forgeline, which keeps no copies, would run the stage
-    again, as its status said); afterwards neither has anything left to do."""
+    again, as its status said), and so does `forgeline run`, which leaves DVC nothing to do;
+    afterwards neither has anything left to do."""
     repo = copy_of(reproduced, tmp_path)
     known: set[str] = set()
     forgeline_runs(repo, known)
-    for what, change, expected in CHANGES:
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    for what, change, expected, *by in CHANGES:
         change(repo)
         assert changed_per_forgeline(repo) == sorted(status(repo), key=STAGE_NAMES.index), what
+        if by == [FORGELINE_RUN]:
+            versions = [version.version for version in client.search_model_versions()]
+            forgeline = [str(VENV_BIN / "forgeline"), "run", "--config", "configs/tiny.yaml"]
+            run(forgeline, repo, env=code_of(repo))
+            assert forgeline_runs(repo, known) == expected, what
+            assert [version.version for version in client.search_model_versions()] == versions, what
+            assert changed_per_forgeline(repo) == [] and status(repo) == {}, what
+            assert others(stages_run(dvc(repo, "repro", "--dry").stdout)) == [], what
+            continue
         output = dvc(repo, "repro").stdout
         ran = others(stages_run(output))
         restored = stages_restored(output)
@@ -307,25 +323,3 @@ def changed_per_forgeline(repo: Path) -> list[str]:
     """The stages `forgeline status` says would run."""
     shown = run([str(VENV_BIN / "forgeline"), "status", "--json"], repo, env=code_of(repo))
     return [name for name, reason in json.loads(shown.stdout.splitlines()[-1]).items() if reason]
-
-
-@pytest.mark.slow
-def test_forgeline_run_reruns_the_stages_that_import_a_changed_helper(reproduced: Path,
-                                                                      tmp_path: Path) -> None:
-    """`forgeline run`, no DVC, in a copy of the repository DVC ran: a byte appended to
-    model/inference.py -- which eval/lm.py imports, and no stage record names -- reruns eval, and
-    train and register, which import it too; not data. Register finds the version it registered
-    for the same checkpoint and scores; afterwards nothing is left to run, for forgeline nor for
-    DVC: forgeline recorded the stages it ran and skipped in dvc.lock, as `dvc commit` does."""
-    repo = copy_of(reproduced, tmp_path)
-    known: set[str] = set()
-    forgeline_runs(repo, known)
-    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
-    versions = [version.version for version in client.search_model_versions()]
-    touch_code("model/inference.py")(repo)
-    run([str(VENV_BIN / "forgeline"), "run", "--config", "configs/tiny.yaml"], repo, env=code_of(repo))
-    assert forgeline_runs(repo, known) == ["train", "eval", "register"]
-    assert [version.version for version in client.search_model_versions()] == versions
-    assert changed_per_forgeline(repo) == []
-    assert status(repo) == {}
-    assert others(stages_run(dvc(repo, "repro", "--dry").stdout)) == []

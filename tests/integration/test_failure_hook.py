@@ -13,7 +13,8 @@ from prefect.testing.utilities import prefect_test_harness
 from forgeline.flows.stage_flows import eval_flow
 from tests.conftest import output_overrides
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# prefect_test_harness is the API here, as for a machine with no server of its own.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("temporary_prefect_api")]
 
 
 def test_a_failed_stage_flow_posts_to_the_configured_block(tmp_path: Path,

@@ -23,13 +23,13 @@ from forgeline.model.checkpoint.manager import (
 )
 from forgeline.tasks.runner import STAGE_TAG
 from tests.conftest import REPO_ROOT
-from tests.integration.helpers import VENV_BIN, prefect_flow_runs, run, user_env
+from tests.integration.helpers import VENV_BIN, run, user_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 
 
 def test_failed_job_is_retried_into_the_same_mlflow_run(data_root: Path, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                                       monkeypatch: pytest.MonkeyPatch, flow_runs) -> None:
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))  # the ranks import tests.faults
     kill = [{"path": "tests.faults:KillBefore", "args": {"step": 15, "once": str(tmp_path / "kill.fired")}}]
     run([str(VENV_BIN / "forgeline"), "stage", "train", "--config", "debug.yaml",
@@ -47,7 +47,7 @@ def test_failed_job_is_retried_into_the_same_mlflow_run(data_root: Path, tmp_pat
     steps = {m.step for m in client.get_metric_history(train_run.info.run_id, "loss")}
     assert steps == set(range(1, 21))  # attempt 2 resumed at step 10 and logged into the same run
 
-    [flow_run] = prefect_flow_runs(tmp_path)
+    [flow_run] = flow_runs(tmp_path)
     assert flow_run["state"] == "COMPLETED" and flow_run["task_run_counts"]["train"] == 2
 
 

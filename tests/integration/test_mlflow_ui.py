@@ -21,7 +21,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from forgeline.tasks.tracking import EXPERIMENT_KIND_TAG, TRAINING_KIND
 from tests.conftest import REPO_ROOT
-from tests.integration.helpers import VENV_BIN, free_port, prefect_flow_runs, run, serving, user_env
+from tests.integration.helpers import VENV_BIN, free_port, run, serving, user_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.slow]
 
@@ -85,7 +85,7 @@ def plot_metrics(driver: webdriver.Chrome, *keys: str) -> None:
 
 
 def test_two_pipeline_runs_open_in_the_compare_view(tmp_path: Path, mlflow_server: str,
-                                                    browser: webdriver.Chrome) -> None:
+                                                    browser: webdriver.Chrome, flow_runs) -> None:
     forgeline = [str(VENV_BIN / "forgeline"), "run", "--config", "debug.yaml",
                  "--set", f"registry.tracking_uri={mlflow_server}"]
     first = run(forgeline, tmp_path)
@@ -96,7 +96,7 @@ def test_two_pipeline_runs_open_in_the_compare_view(tmp_path: Path, mlflow_serve
     # Prefect shows each flow run's parameters as typed (its config as a path or shipped name):
     # the config they resolve to is each MLflow run's config.yaml.
     parameters = sorted((flow_run["parameters"]["config"], flow_run["parameters"]["overrides"])
-                        for flow_run in prefect_flow_runs(tmp_path))
+                        for flow_run in flow_runs(tmp_path))
     assert parameters == [("debug.yaml", [forgeline[-1]]), ("debug.yaml", [forgeline[-1], "train.seed=1"])]
     client = MlflowClient(mlflow_server)
     runs = [client.get_run(run_id) for run_id in run_ids]

@@ -17,12 +17,13 @@ from forgeline.model.fileio import sha256_file
 from forgeline.model.training.shards import read_manifest, split_shards
 from forgeline.tasks.runner import STAGE_TAG
 from forgeline.tasks.tracking import dvc_hash
-from tests.integration.helpers import VENV_BIN, prefect_flow_runs, run
+from tests.integration.helpers import VENV_BIN, run
 
-pytestmark = [pytest.mark.integration, pytest.mark.e2e]
+# The README's path: no Prefect server, each command starts the temporary API.
+pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.usefixtures("temporary_prefect_api")]
 
 
-def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path: Path) -> None:
+def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path: Path, flow_runs) -> None:
     done = run([str(VENV_BIN / "forgeline"), "run", "--config", "debug.yaml"], tmp_path)
     run_id = re.search(r"MLflow run: (\w+)", done.stdout).group(1)
     assert "Registered model: forgeline-debug version 1" in done.stdout
@@ -135,7 +136,7 @@ def test_forgeline_run_takes_the_corpus_to_a_registered_evaluated_model(tmp_path
     assert (register_dir / "registered.json").is_file()
 
     # Prefect: the pipeline flow run completed with its four stage tasks.
-    [flow_run] = prefect_flow_runs(tmp_path)
+    [flow_run] = flow_runs(tmp_path)
     assert flow_run["id"] == parent.data.tags["prefect.flow_run_id"]
     assert flow_run["flow"] == "forgeline-pipeline" and flow_run["state"] == "COMPLETED"
     assert flow_run["tasks"] == sorted([name, "COMPLETED"] for name in ("data", "train", "eval", "register"))

@@ -25,7 +25,7 @@ from forgeline.tasks.tracking import CONTINUED_FROM_TAG, CONTINUED_IN_TAG
 from forgeline.tasks.train.job import TrainPreempted, TrainResult, train_model
 from forgeline.tasks.train.launch import LaunchTimeout
 from tests.conftest import REPO_ROOT, debug_config
-from tests.integration.helpers import VENV_BIN, prefect_flow_runs, user_env
+from tests.integration.helpers import VENV_BIN, user_env
 from tests.integration.test_recovery import callbacks
 
 pytestmark = pytest.mark.integration
@@ -80,7 +80,8 @@ def test_signal_to_torchrun_saves_the_step_and_the_next_attempt_resumes_from_it(
 
 
 @pytest.mark.slow
-def test_prefect_retries_a_preempted_train_stage_into_the_same_run(data_root: Path, tmp_path: Path) -> None:
+def test_prefect_retries_a_preempted_train_stage_into_the_same_run(data_root: Path, tmp_path: Path,
+                                                                   flow_runs) -> None:
     """SIGUSR1 to torchrun under `forgeline stage train`: the task fails with TrainPreempted, and
     Prefect's retry resumes from the saved step into the same MLflow run, every step logged."""
     cmd = [str(VENV_BIN / "forgeline"), "stage", "train", "--config", "debug.yaml",
@@ -98,7 +99,7 @@ def test_prefect_retries_a_preempted_train_stage_into_the_same_run(data_root: Pa
     assert run.data.tags["forgeline.attempt.1.error"].startswith("TrainPreempted: preempted by SIGUSR1")
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
     assert sorted(steps) == list(range(1, STEPS + 1))  # no step lost, none logged twice
-    [flow_run] = prefect_flow_runs(tmp_path)
+    [flow_run] = flow_runs(tmp_path)
     assert flow_run["state"] == "COMPLETED" and flow_run["task_run_counts"]["train"] == 2
 
 

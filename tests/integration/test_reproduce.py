@@ -10,12 +10,12 @@ import pytest
 from mlflow import MlflowClient
 
 from forgeline.tasks.reproduce import REPRODUCES_TAG
-from tests.integration.helpers import VENV_BIN, prefect_flow_runs, run
+from tests.integration.helpers import VENV_BIN, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_a_recorded_run_reproduces_its_data_and_scores(tmp_path: Path) -> None:
+def test_a_recorded_run_reproduces_its_data_and_scores(tmp_path: Path, flow_runs) -> None:
     forgeline = str(VENV_BIN / "forgeline")
     done = run([forgeline, "run", "--config", "debug.yaml", "--set", "train.deterministic=true"], tmp_path)
     run_id = re.search(r"MLflow run: (\w+)", done.stdout).group(1)
@@ -28,7 +28,7 @@ def test_a_recorded_run_reproduces_its_data_and_scores(tmp_path: Path) -> None:
     assert all(line.split()[0] == "same" for line in lines if line.startswith("  ")), again.stdout
     assert (tmp_path / "reproduce" / run_id / "train" / "train.json").is_file()
     # The store's URI, which $MLFLOW_TRACKING_URI may give with a password, is no flow parameter.
-    [reproduced] = [flow_run for flow_run in prefect_flow_runs(tmp_path)
+    [reproduced] = [flow_run for flow_run in flow_runs(tmp_path)
                     if flow_run["flow"] == "forgeline-reproduce"]
     assert "mlflow.db" not in str(reproduced["parameters"]), reproduced["parameters"]
 

@@ -31,7 +31,7 @@ PAGE = 200  # the API's largest page
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One server for the module: each test uses a secret of its own."""
+    """One server for the module, which reads all it holds: each test uses a secret of its own."""
     with running_prefect_server(tmp_path_factory.mktemp("prefect")) as url:
         yield url
 

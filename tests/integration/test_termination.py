@@ -22,7 +22,8 @@ from tests.integration.test_preemption import logged_step
 from tests.integration.test_recovery import callbacks
 from tests.processes import carrying, describe, still_there, stop
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# Without a server, as `make run`: the command's temporary Prefect API is among what a stop ends.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("temporary_prefect_api")]
 
 STEPS = 24
 # No periodic save before the end: the step the ranks saved when stopped is the only checkpoint.
