@@ -30,7 +30,7 @@ import torch
 from results_file import write_results  # bench/, the script's own directory
 
 from forgeline.configs.schema import ModelConfig
-from forgeline.model.llama import DocumentSpans, Transformer, dense_document_mask, document_positions
+from forgeline.model.transformer import DocumentSpans, Transformer, dense_document_mask, document_positions
 
 PATHS = ("dense", "spans")
 SHAPE = dict(vocab_size=256, dim=256, n_layers=1, n_heads=8, n_kv_heads=4, ffn_dim=688)

@@ -33,7 +33,7 @@ from results_file import write_results  # noqa: E402  (bench/, the script's own 
 
 from forgeline.configs.schema import CheckpointConfig, ModelConfig  # noqa: E402
 from forgeline.model.checkpoint.manager import CheckpointManager, ModelState, OptimizerState  # noqa: E402
-from forgeline.model.llama import Transformer  # noqa: E402
+from forgeline.model.transformer import Transformer  # noqa: E402
 from forgeline.tasks.data.build import build_dataset  # noqa: E402
 from forgeline.tasks.tracking import experiment_id, resolve_tracking_uri  # noqa: E402
 from forgeline.tasks.train.job import train_model  # noqa: E402

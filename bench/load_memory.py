@@ -36,9 +36,9 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from forgeline.configs import Config, load_config  # noqa: E402
 from forgeline.model.hf import load_hf_weights  # noqa: E402
-from forgeline.model.llama import Transformer  # noqa: E402
 from forgeline.model.parallel.mesh import build_meshes, init_distributed  # noqa: E402
 from forgeline.model.training.worker import build_model_parts  # noqa: E402
+from forgeline.model.transformer import Transformer  # noqa: E402
 from forgeline.tasks.pretrained import resolve_base, with_base  # noqa: E402
 from forgeline.tasks.train.job import rank_config_yaml  # noqa: E402
 

@@ -10,8 +10,8 @@ from lm_eval.tasks import TaskManager
 from forgeline.configs import Config, load_config
 from forgeline.eval.suite import render_suite, suite_task_manager
 from forgeline.model.hf import export_hf
-from forgeline.model.llama import Transformer
 from forgeline.model.training.shards import read_manifest
+from forgeline.model.transformer import Transformer
 from forgeline.tasks.data.build import build_dataset
 
 

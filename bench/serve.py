@@ -37,8 +37,8 @@ from results_file import write_results  # noqa: E402  (bench/, the script's own 
 
 from forgeline.configs import load_config  # noqa: E402
 from forgeline.model.hf import export_hf  # noqa: E402
-from forgeline.model.llama import Transformer  # noqa: E402
 from forgeline.model.training.shards import read_manifest  # noqa: E402
+from forgeline.model.transformer import Transformer  # noqa: E402
 from forgeline.tasks.data.build import build_dataset  # noqa: E402
 from forgeline.tasks.register import SIGNATURE, HFGenerator  # noqa: E402
 

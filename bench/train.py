@@ -29,11 +29,11 @@ from mlflow import MlflowClient  # noqa: E402
 from results_file import write_results  # noqa: E402  (bench/, the script's own directory)
 
 from forgeline.configs import Config, load_config  # noqa: E402
-from forgeline.model.llama import Transformer  # noqa: E402
 from forgeline.model.training.loader import ShardedSampleLoader  # noqa: E402
 from forgeline.model.training.metrics import measure_peak_flops  # noqa: E402
 from forgeline.model.training.optim import build_lr_scheduler, build_optimizer  # noqa: E402
 from forgeline.model.training.shards import read_manifest, split_shards  # noqa: E402
+from forgeline.model.transformer import Transformer  # noqa: E402
 from forgeline.tasks.data.build import build_dataset  # noqa: E402
 from forgeline.tasks.tracking import experiment_id, resolve_tracking_uri  # noqa: E402
 from forgeline.tasks.train.job import train_model  # noqa: E402

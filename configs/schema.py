@@ -486,7 +486,7 @@ class ModelConfig(Section):
     """Key/value heads (grouped-query attention); must divide `n_heads`."""
 
     ffn_dim: PositiveInt = 688
-    """Hidden width of the SwiGLU feed-forward block."""
+    """Hidden width of the gated feed-forward block (SwiGLU; GeGLU with `activation: gelu_tanh`)."""
 
     norm_eps: PositiveFloat = 1e-5
     """Epsilon of RMSNorm."""

@@ -5,7 +5,7 @@
                                        "tokenizer=artifacts/data/tokenizer", tasks=[...])
     forgeline lm-eval --model forgeline --model_args hf=exported/,tokenizer=exported/ --tasks ...
 
-Loads a checkpoint of any parallel layout, an inference bundle or a Hugging Face Llama
+Loads a checkpoint of any parallel layout, an inference bundle or a Hugging Face
 directory into one process. Scoring packs several requests into each row of a batch, kept apart
 by the attention mask, so the model computes real tokens instead of padding; a context shared by
 several requests (the choices of a multiple-choice item) is computed once, their continuations
@@ -47,8 +47,8 @@ from forgeline.configs.environment import apply_environment_defaults, progress_b
 from forgeline.eval.chat import Messages, end_of_turn_id, render_chat
 from forgeline.model.hf import import_hf
 from forgeline.model.inference import generate_batch, load_bundle, load_from_checkpoint, pack_linears
-from forgeline.model.llama import Transformer
 from forgeline.model.parallel.mesh import resolve_precision
+from forgeline.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 

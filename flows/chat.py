@@ -3,11 +3,11 @@ to stdout as they are made.
 
 The model is anything `model.init_from` takes (tasks/pretrained.py resolves it): a registered
 version or alias (models:/NAME@ALIAS, models:/NAME/VERSION; the registry is the config's), a
-forgeline checkpoint step directory (its run's tokenizer), a Hugging Face Llama directory, a
-.gguf file. Generation is model/inference.py's KV-cached decoding (stream_batch): greedy at
-temperature 0, else sampled with temperature and nucleus (top-p) sampling from a seeded
-generator. Every reply stops at the tokenizer's end-of-text token and at its chat template's
-end-of-turn token (eval/chat.py), as the registered pyfunc's does.
+forgeline checkpoint step directory (its run's tokenizer), a Hugging Face directory (any family
+forgeline imports), a .gguf file. Generation is model/inference.py's KV-cached decoding
+(stream_batch): greedy at temperature 0, else sampled with temperature and nucleus (top-p)
+sampling from a seeded generator. Every reply stops at the tokenizer's end-of-text token and at
+its chat template's end-of-turn token (eval/chat.py), as the registered pyfunc's does.
 
 `chat` renders the conversation through the tokenizer's chat template each turn; a tokenizer
 without one (a model pretrained on plain text, like tiny.yaml's) gets the conversation as plain
@@ -34,7 +34,7 @@ from forgeline.configs import Config, ConfigError
 from forgeline.eval.chat import Messages, end_of_turn_id, render_chat
 from forgeline.model.hf import import_hf
 from forgeline.model.inference import load_from_checkpoint, pack_linears, stream_batch
-from forgeline.model.llama import Transformer
+from forgeline.model.transformer import Transformer
 from forgeline.tasks.pretrained import resolve_base
 
 log = logging.getLogger(__name__)

@@ -272,7 +272,8 @@ def add_checkpoints_parser(verbs: argparse._SubParsersAction) -> None:
         "step", nargs="?", type=int, help="one step (default: all)")
     action("rollback", "make STEP the latest: newer versions move, intact, into rolled-back-<time>/ "
                        "and the next train run resumes from STEP").add_argument("step", type=int)
-    export = action("export", "write STEP as a forgeline inference bundle or a Hugging Face Llama directory")
+    export = action("export", "write STEP as a forgeline inference bundle or a Hugging Face directory of its "
+                              "family")
     export.add_argument("step", type=int)
     export.add_argument("--out", required=True, help="new directory to write")
     export.add_argument("--format", choices=("bundle", "hf"), default="bundle",

@@ -1,6 +1,6 @@
 """The model and everything that runs on a training rank.
 
-This folder holds the architecture (`llama.py`, layout-independent initialization in `init.py`),
+This folder holds the architecture (`transformer.py`, layout-independent initialization in `init.py`),
 its Hugging Face adapter (`hf.py`), single-process inference (`inference.py`), the durable
 file helpers its formats share (`fileio.py`), a child's lifetime tied to its parent's
 (`lifetime.py`) and the tracking spool every forgeline process

@@ -47,7 +47,7 @@ from forgeline.configs.schema import ModelConfig
 from forgeline.model.families import family_named
 from forgeline.model.fileio import new_directory
 from forgeline.model.init import canonical_name
-from forgeline.model.llama import Transformer
+from forgeline.model.transformer import Transformer
 
 # transformers is imported where it is used: the ranks import this module for load_hf_weights
 # alone, and transformers would add about 2 s to every rank's start (and to every restart).

@@ -14,8 +14,8 @@ from torch import nn
 
 from forgeline.configs.schema import LoraConfig, ModelConfig
 from forgeline.model.checkpoint.manager import load_model_weights, read_checkpoint_manifest
-from forgeline.model.llama import KVCache, Transformer
 from forgeline.model.lora import apply_lora, export_peft_adapter, merge_lora
+from forgeline.model.transformer import KVCache, Transformer
 
 BUNDLE_WEIGHTS = "model.safetensors"
 BUNDLE_SHAPE = "model_args.json"  # the model's shape (ModelConfig); the name of the first bundles

@@ -19,7 +19,7 @@ a row-parallel one's A by input column (B whole); each rank then adds its slice 
 to its slice of the output (column), or its partial sum (row), with no collective of its own.
 
 Export (`merge_lora`, `export_peft_adapter`): W + (alpha / r) B A into a plain model, which
-model/hf.py exports as a `LlamaForCausalLM`; or the adapters alone as the directory `peft`
+model/hf.py exports as its family's transformers class; or the adapters alone as the directory `peft`
 writes, whose `PeftModel.from_pretrained` on the base's export computes the merged model.
 """
 
@@ -41,7 +41,7 @@ from forgeline.configs.schema import LoraConfig, ModelConfig
 from forgeline.model.fileio import new_directory
 from forgeline.model.hf import hf_weights, rows_to_hf
 from forgeline.model.init import canonical_name, init_param_
-from forgeline.model.llama import Transformer
+from forgeline.model.transformer import Transformer
 
 if TYPE_CHECKING:  # peft is imported where it is used: the ranks never need it
     from peft import LoraConfig as PeftLoraConfig
@@ -247,7 +247,7 @@ def peft_config(lora: LoraConfig, base_model: str | None) -> PeftLoraConfig:
 
 def export_peft_adapter(model: Transformer, lora: LoraConfig, out_dir: Path,
                         base_model: str | None = None) -> Path:
-    """Write `out_dir` as `peft`'s save_pretrained does for a LlamaForCausalLM: adapter_config.json
+    """Write `out_dir` as `peft`'s save_pretrained does for the base's transformers model: adapter_config.json
     and adapter_model.safetensors, for `PeftModel.from_pretrained(base, out_dir)` on the base's
     Hugging Face export (`base_model`: where that base is, recorded for AutoPeftModel). Written to
     a temporary sibling and renamed into place; an existing non-empty `out_dir` is never touched."""

@@ -1,4 +1,4 @@
-"""Register stage: export the trained model as a Hugging Face Llama directory, log it to MLflow
+"""Register stage: export the trained model as a Hugging Face directory of its family, log it to MLflow
 as a pyfunc text generator over that export (what `mlflow models serve` and
 `mlflow.pyfunc.load_model` load; a row's input is a `prompt`, or `messages` that the export's
 chat template renders) and register it as a new version of `registry.model_name`,

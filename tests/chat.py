@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 from forgeline.configs.schema import ModelConfig
 from forgeline.model.inference import save_bundle
-from forgeline.model.llama import Transformer
+from forgeline.model.transformer import Transformer
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
           "+ '<|im_end|>' + '\\n' }}{% endfor %}"

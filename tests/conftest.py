@@ -198,7 +198,7 @@ def random_lm(tokenizer: Path, bundle_dir: Path, max_seq_len: int, batch_size: i
     from forgeline.configs.schema import ModelConfig
     from forgeline.eval.lm import ForgelineLM  # lm-eval: imported by the tests that need it only
     from forgeline.model.inference import save_bundle
-    from forgeline.model.llama import Transformer
+    from forgeline.model.transformer import Transformer
 
     model = Transformer(ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                     ffn_dim=64, max_seq_len=max_seq_len))

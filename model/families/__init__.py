@@ -3,7 +3,7 @@ exports back as themselves.
 
 A family is one module here (family.py says what it holds): its config mapping both ways and its
 weight names. The differences in the network itself are keys of `ModelConfig` that the one
-Transformer (model/llama.py) reads, so the tensor-parallel plan and the pipeline split
+Transformer (model/transformer.py) reads, so the tensor-parallel plan and the pipeline split
 (model/parallel/) follow from the modules a shape has, and the trainer, checkpoints, eval and
 registry never name a family. Adding one: a module with a `Family`, listed below and in
 `configs.schema.ModelFamily`.

@@ -28,9 +28,9 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from forgeline.configs.schema import ParallelConfig
-from forgeline.model.llama import Transformer
 from forgeline.model.lora import AdapterColwiseParallel, AdapterRowwiseParallel, freeze_base, has_adapters
 from forgeline.model.parallel.mesh import fsdp_mesh
+from forgeline.model.transformer import Transformer
 
 
 def parallelize(model: Transformer, layout: ParallelConfig, mesh: DeviceMesh,

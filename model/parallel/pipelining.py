@@ -23,7 +23,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from forgeline.configs.schema import V_SCHEDULES, ParallelConfig
-from forgeline.model.llama import Transformer
+from forgeline.model.transformer import Transformer
 
 
 def layer_ranges(n_layers: int, num_stages: int) -> list[range]:

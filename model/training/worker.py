@@ -38,7 +38,6 @@ from forgeline.model.checkpoint.manager import (
 from forgeline.model.fileio import sha256_file
 from forgeline.model.hf import load_hf_weights
 from forgeline.model.lifetime import die_with_parent
-from forgeline.model.llama import Transformer
 from forgeline.model.lora import apply_lora, has_adapters, init_lora, is_adapter
 from forgeline.model.parallel.mesh import build_meshes, init_distributed, resolve_precision
 from forgeline.model.parallel.parallelize import parallelize
@@ -72,6 +71,7 @@ from forgeline.model.training.preference import (
 )
 from forgeline.model.training.shards import MANIFEST_NAME, read_manifest, split_shards
 from forgeline.model.training.step import TrainStep, scaled_loss
+from forgeline.model.transformer import Transformer
 
 log = logging.getLogger("forgeline.model.training.worker")
 

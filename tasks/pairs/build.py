@@ -35,7 +35,7 @@ from forgeline.eval.chat import end_of_turn_id, render_chat
 from forgeline.eval.lm import eval_precision, in_precision
 from forgeline.model.hf import import_hf
 from forgeline.model.inference import load_from_checkpoint, pack_linears, stream_batch
-from forgeline.model.llama import Transformer
+from forgeline.model.transformer import Transformer
 from forgeline.tasks.atomic import replace_dir, staging_dir
 from forgeline.tasks.pairs.checks import DROP_REASONS, Prompt, Reply, checked, pairs_of
 from forgeline.tasks.pairs.prompts import candidate_tasks, prompts_apart_from_ifeval

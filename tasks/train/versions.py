@@ -95,7 +95,7 @@ def _roll_back_tier(url: str, step: int, archive: str) -> None:
 
 def export(root: Path, step: int, tokenizer_dir: Path, out_dir: Path, fmt: str = "bundle") -> Path:
     """One version, from a checkpoint of any layout, as a forgeline inference bundle (weights as
-    safetensors, architecture, tokenizer) or a Hugging Face LlamaForCausalLM directory (`hf`);
+    safetensors, architecture, tokenizer) or a Hugging Face directory of its family (`hf`);
     never overwrites `out_dir`."""
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty: choose another --out")

@@ -41,7 +41,7 @@ SLOW_LAYOUTS = {
     "pp2xtp2-selective-ac": ["parallel.pp=2", "parallel.tp=2", "parallel.activation_checkpoint=selective"],
     "pp2-compile-full-ac": ["parallel.pp=2", "parallel.compile=true", "parallel.activation_checkpoint=full"],
 }
-# Rows longer than the dense mask's limit (model/llama.py DENSE_MASK_MAX_LEN) attend document by
+# Rows longer than the dense mask's limit (model/transformer.py DENSE_MASK_MAX_LEN) attend document by
 # document; without documents, a row longer than a sliding window attends in blocks of queries.
 LONG_ROWS = {
     "long": ["data.seq_len=320"],

@@ -1,5 +1,5 @@
 """Attention over packed documents and sliding windows computed document by document
-(DocumentSpans, model/llama.py) gives the outputs and gradients of the dense (B, 1, T, T) mask it
+(DocumentSpans, model/transformer.py) gives the outputs and gradients of the dense (B, 1, T, T) mask it
 replaces, and never forms scores wider than a document or a window's block."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from forgeline.configs.schema import ModelConfig
-from forgeline.model.llama import (
+from forgeline.model.transformer import (
     MIN_WINDOW_BLOCK,
     Attention,
     DocumentSpans,

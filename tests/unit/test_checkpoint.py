@@ -29,7 +29,7 @@ from forgeline.model.checkpoint.manager import (
     verify_checkpoint,
 )
 from forgeline.model.checkpoint.tiers import PersistentTier
-from forgeline.model.llama import Transformer
+from forgeline.model.transformer import Transformer
 
 ARGS = ModelConfig(vocab_size=50, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=16)
 

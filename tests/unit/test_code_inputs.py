@@ -61,7 +61,7 @@ def test_every_way_a_module_is_reached_is_read_from_the_source(tmp_path: Path) -
     source.write_text(
         "from __future__ import annotations\n"
         "import json\n"
-        "import forgeline.model.llama\n"
+        "import forgeline.model.transformer\n"
         "from forgeline.tasks import atomic\n"
         "from . import sibling\n"
         "from .train.launch import run_streaming\n"
@@ -70,7 +70,7 @@ def test_every_way_a_module_is_reached_is_read_from_the_source(tmp_path: Path) -
         "    importlib.import_module('forgeline.eval.lm')\n"
         "    return [sys.executable, '-m', 'forgeline.model.training.worker', '--config', 'x']\n")
     assert imports_of(source, "forgeline.tasks.job") == {
-        "forgeline.model.llama", "forgeline.tasks", "forgeline.tasks.atomic", "forgeline.tasks.sibling",
+        "forgeline.model.transformer", "forgeline.tasks", "forgeline.tasks.atomic", "forgeline.tasks.sibling",
         "forgeline.tasks.train.launch", "forgeline.tasks.train.launch.run_streaming", "forgeline.eval.suite",
         "forgeline.eval.suite.render_suite", "forgeline.eval.lm", "forgeline.model.training.worker"}
 

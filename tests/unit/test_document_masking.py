@@ -15,10 +15,15 @@ import torch.nn.functional as F
 
 from forgeline.configs import load_config
 from forgeline.configs.schema import ModelConfig
-from forgeline.model.llama import DENSE_MASK_MAX_LEN, Transformer, dense_document_mask, document_positions
 from forgeline.model.training.loader import DocumentBatch, ShardedSampleLoader
 from forgeline.model.training.shards import ShardInfo, write_shard
 from forgeline.model.training.step import TrainStep
+from forgeline.model.transformer import (
+    DENSE_MASK_MAX_LEN,
+    Transformer,
+    dense_document_mask,
+    document_positions,
+)
 
 T, VOCAB = 16, 64
 # Per row, the document number of each of its T + 1 tokens (the last one is only a target):

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 from forgeline.model.families import FAMILIES
 from forgeline.model.hf import export_hf, import_hf, to_hf_state_dict
-from forgeline.model.llama import KVCache, Transformer
+from forgeline.model.transformer import KVCache, Transformer
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,

@@ -16,7 +16,7 @@ import torch
 from forgeline.configs import Config
 from forgeline.configs.schema import ConfigError
 from forgeline.model.hf import load_hf_weights
-from forgeline.model.llama import Transformer
+from forgeline.model.transformer import Transformer
 from forgeline.tasks.pretrained import CACHE_ENV, Base, resolve_base, unchanged_file_sha256
 from tests.gguf_files import CONFIGS, tiny_model, write_gguf
 from tests.unit.test_families import COMMON

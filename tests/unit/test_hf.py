@@ -20,7 +20,7 @@ from transformers import (
 
 from forgeline.configs.schema import ModelConfig
 from forgeline.model.hf import export_hf, from_hf_state_dict, import_hf, to_hf_state_dict
-from forgeline.model.llama import Transformer
+from forgeline.model.transformer import Transformer
 
 SPECIALS = ["<|endoftext|>", "<|bos|>", "<|pad|>"]
 TEXTS = [
@@ -180,7 +180,7 @@ def test_tied_export_writes_the_matrix_once_and_reloads_tied(tmp_path: Path, tok
 def test_half_rope_layout_is_transformers_rotate_half() -> None:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from forgeline.model.llama import apply_rope, rope_cache
+    from forgeline.model.transformer import apply_rope, rope_cache
 
     B, T, H, D = 2, 10, 3, 16
     q, k = torch.randn(2, B, H, T, D, generator=torch.Generator().manual_seed(0))

@@ -22,7 +22,7 @@ from tests.conftest import REPO_ROOT
 
 LAYERS = ("configs", "model", "eval", "tasks", "flows")
 # Inside model/: what each part may build on (a part imports its own rank and below).
-MODEL_PARTS = {"llama": 0, "lora": 0, "init": 0, "hf": 0, "families": 0, "fileio": 0, "spool": 0,
+MODEL_PARTS = {"transformer": 0, "lora": 0, "init": 0, "hf": 0, "families": 0, "fileio": 0, "spool": 0,
                "lifetime": 0,
                "parallel": 1, "checkpoint": 2, "inference": 3, "training": 4}
 

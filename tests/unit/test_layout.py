@@ -8,10 +8,10 @@ import torch
 from forgeline.configs import ConfigError, load_config
 from forgeline.configs.schema import LayoutError, ModelConfig
 from forgeline.flows.cli import main
-from forgeline.model.llama import Transformer
 from forgeline.model.parallel import mesh
 from forgeline.model.parallel.mesh import resolve_precision
 from forgeline.model.parallel.pipelining import layer_ranges, pipeline_split, stage_ids_of_rank
+from forgeline.model.transformer import Transformer
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -19,7 +19,6 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from forgeline.configs.schema import LoraConfig, ModelConfig
 from forgeline.model.checkpoint.manager import MANIFEST_NAME, ModelState
 from forgeline.model.hf import export_hf, load_hf_weights, to_hf_state_dict
-from forgeline.model.llama import Transformer
 from forgeline.model.lora import (
     PEFT_CONFIG,
     PEFT_WEIGHTS,
@@ -33,6 +32,7 @@ from forgeline.model.lora import (
 )
 from forgeline.model.training.optim import build_optimizer
 from forgeline.model.training.worker import BaseWeights, load_base
+from forgeline.model.transformer import Transformer
 from tests.conftest import debug_config
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

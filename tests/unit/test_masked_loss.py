@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from forgeline.configs.schema import ModelConfig
-from forgeline.model.llama import Transformer
 from forgeline.model.training.loader import DocumentBatch
 from forgeline.model.training.step import TrainStep
+from forgeline.model.transformer import Transformer
 
 VOCAB, SEQ_LEN, ROWS = 64, 16, 4
 

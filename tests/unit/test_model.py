@@ -5,8 +5,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from forgeline.configs.schema import ModelConfig
 from forgeline.model.inference import PackedLinear, generate_batch, pack_linears
-from forgeline.model.llama import KVCache, Transformer
 from forgeline.model.training.metrics import straggler
+from forgeline.model.transformer import KVCache, Transformer
 
 ARGS = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 

@@ -6,9 +6,9 @@ import torch.distributed as dist
 
 from forgeline.configs import load_config
 from forgeline.configs.schema import ModelConfig
-from forgeline.model.llama import Transformer
 from forgeline.model.training.amp import DynamicLossScaler
 from forgeline.model.training.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, warmup_cosine
+from forgeline.model.transformer import Transformer
 
 
 def test_warmup_then_cosine_to_min_ratio() -> None:

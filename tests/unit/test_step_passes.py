@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from forgeline.configs.schema import ModelConfig
-from forgeline.model.llama import Transformer
 from forgeline.model.training.step import IGNORED, TrainStep, cross_entropy
+from forgeline.model.transformer import Transformer
 
 SHAPE = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=32)
 

@@ -22,7 +22,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from forgeline.configs.schema import Config, ModelConfig, TrainConfig, resume_fingerprint
-from forgeline.model.llama import Transformer
 from forgeline.model.training.callbacks import ValidationCallback
 from forgeline.model.training.loader import (
     VAL_SEED,
@@ -35,6 +34,7 @@ from forgeline.model.training.loop import TrainerState, ValResult
 from forgeline.model.training.metrics import MetricsLogger, bits_per_byte
 from forgeline.model.training.shards import DataError, ShardInfo, write_shard
 from forgeline.model.training.step import TrainStep
+from forgeline.model.transformer import Transformer
 from forgeline.tasks.data.build import train_tokenizer
 
 SEQ_LEN, VOCAB = 16, 64

@@ -1,8 +1,8 @@
-"""Llama-style decoder: RMSNorm, rotary embeddings, a gated feed-forward block, grouped-query
-attention -- and the variations of it the families of model/families/ need, each a key of its
-`ModelConfig` (configs/schema.py): q/k/v biases, q/k norms, a head width of its own, sliding-window
-layers, rescaled or per-layer rotary frequencies, GeGLU, 1 + w norm gains, sandwich norms, scaled
-embeddings, soft-capped scores and logits.
+"""The decoder of every family forgeline trains: RMSNorm, rotary embeddings, a gated feed-forward
+block, grouped-query attention -- and the variations of it the families of model/families/ need,
+each a key of its `ModelConfig` (configs/schema.py): q/k/v biases, q/k norms, a head width of its
+own, sliding-window layers, rescaled or per-layer rotary frequencies, GeGLU, 1 + w norm gains,
+sandwich norms, scaled embeddings, soft-capped scores and logits.
 
 Architecture only. Parallelism is applied from outside (model/parallel/). The model is meant to
 be built on the meta device, parallelized, then materialized with `to_empty()` and initialized
