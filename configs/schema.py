@@ -1043,12 +1043,13 @@ class EvalConfig(Section):
     batch_size: PositiveInt = 16
     """Requests scored or generated per forward pass."""
 
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    precision: Literal["auto", "bf16_where_native", "fp32", "bf16"] = "auto"
     """The weights' precision while scoring and generating (logits are reduced in fp32 either
     way). `auto`: bf16 on a GPU that supports it, else fp32 -- the eval stage and the in-training
     evaluation score on the CPU, so fp32 (bf16 on CPUs without native support is 30-90x slower,
-    and refused). It decides scores, so it is part of what pairs evaluations and keys cached
-    ones; the in-training evaluation uses it too."""
+    and refused). `bf16_where_native`: bf16 on a CPU with AVX-512 BF16/AMX, fp32 on one without
+    (said as the stage starts). It decides scores, so it is part of what pairs evaluations and
+    keys cached ones; the in-training evaluation uses it too."""
 
     during_training: InTrainingEvalConfig = Field(default_factory=InTrainingEvalConfig)
     """Evaluation while training runs."""
@@ -1219,9 +1220,10 @@ class PairsConfig(Section):
     batch_size: PositiveInt = 32
     """Replies decoded together (continuous batching: a reply that ends gives its row to the next)."""
 
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    precision: Literal["auto", "bf16_where_native", "fp32", "bf16"] = "auto"
     """The policy's weights while sampling, as eval.precision: `auto` is bf16 on a GPU that has it,
-    else fp32; bf16 on a CPU without native bf16 (AVX-512 BF16/AMX) is refused."""
+    else fp32; `bf16_where_native` bf16 on a CPU with native bf16 (AVX-512 BF16/AMX), else fp32;
+    bf16 on a CPU without native bf16 is refused."""
 
     seed: int = 0
     """Seeds the prompts (tasks, constraint types, and the registry's own random arguments:

@@ -47,7 +47,7 @@ from forgeline.configs.environment import apply_environment_defaults, progress_b
 from forgeline.eval.chat import Messages, end_of_turn_id, render_chat
 from forgeline.model.hf import import_hf
 from forgeline.model.inference import generate_batch, load_bundle, load_from_checkpoint, pack_linears
-from forgeline.model.parallel.mesh import resolve_precision
+from forgeline.model.parallel.mesh import BF16_WHERE_NATIVE, resolve_precision
 from forgeline.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -199,11 +199,21 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def eval_precision(requested: str, device_type: str, setting: str = "precision") -> str:
-    """fp32 or bf16: what `requested` (auto, fp32 or bf16; `setting` names it in errors) runs
-    the weights in on `device_type`. bf16 is refused on a CPU without native support."""
-    if requested != "auto" and requested not in PRECISIONS:
-        raise ValueError(f"{setting}={requested}: evaluation runs in auto, fp32 or bf16")
+    """fp32 or bf16: what `requested` (auto, bf16_where_native, fp32 or bf16; `setting` names it
+    in errors) runs the weights in on `device_type`. bf16 is refused on a CPU without native
+    support."""
+    if requested not in ("auto", BF16_WHERE_NATIVE) and requested not in PRECISIONS:
+        raise ValueError(f"{setting}={requested}: evaluation runs in auto, {BF16_WHERE_NATIVE}, fp32 or "
+                         "bf16")
     return "bf16" if resolve_precision(requested, device_type, setting) == torch.bfloat16 else "fp32"
+
+
+def say_precision(setting: str, requested: str, resolved: str) -> None:
+    """One line where this machine chose the precision (bf16_where_native), as a stage starts."""
+    if requested == BF16_WHERE_NATIVE:
+        native = resolved == "bf16"
+        why = f"this CPU {'has' if native else 'has no'} native bf16 (AVX-512 BF16/AMX)"
+        log.info("%s=%s: %s, as %s", setting, requested, resolved, why)
 
 
 def in_precision(model: Transformer, precision: str) -> Transformer:

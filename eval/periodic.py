@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
                              "(others: where the tokenizer has one)")
     parser.add_argument("--limit", type=int)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+    parser.add_argument("--precision", choices=["auto", "bf16_where_native", "fp32", "bf16"], default="auto",
                         help="the weights' precision (eval.precision)")
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--step", required=True, type=int)

@@ -70,7 +70,7 @@ from forgeline.eval.instruction_types import (
     instruction_types_metrics,
     instruction_types_report,
 )
-from forgeline.eval.lm import ForgelineLM, eval_precision
+from forgeline.eval.lm import ForgelineLM, eval_precision, say_precision
 from forgeline.eval.scores import (
     Z95,
     TaskItems,
@@ -201,10 +201,11 @@ def check_task_source(ecfg: EvalConfig) -> None:
 
 
 def preflight_eval(cfg: Config) -> None:
-    """The tasks exist, for hub tasks the Hub may be reached, and the precision suits this machine."""
+    """The tasks exist, for hub tasks the Hub may be reached, and the precision suits this machine
+    (said where the machine decides it)."""
     plan_tasks(cfg.eval)
     check_task_source(cfg.eval)
-    stage_precision(cfg.eval)
+    say_precision("eval.precision", cfg.eval.precision, stage_precision(cfg.eval))
 
 
 def stage_precision(ecfg: EvalConfig) -> str:

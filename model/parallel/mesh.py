@@ -48,6 +48,16 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+# A precision of evaluation and sampling: bf16 where the device runs it natively (a GPU that
+# supports it, a CPU with AVX-512 BF16/AMX), else fp32 -- a shipped config that wants bf16 runs on
+# any machine instead of being refused where bf16 would crawl.
+BF16_WHERE_NATIVE = "bf16_where_native"
+
+
+def native_bf16(device_type: str) -> bool:
+    return torch.cuda.is_bf16_supported() if device_type == "cuda" else cpu_has_native_bf16()
+
+
 def resolve_precision(requested: str, device_type: str, setting: str = "train.precision") -> torch.dtype:
     """The compute dtype for a precision setting (`setting`: train.precision, eval.precision) on
     this machine; refuses bf16 where it would crawl (CPUs without native bf16 run bf16 matmuls
@@ -55,6 +65,8 @@ def resolve_precision(requested: str, device_type: str, setting: str = "train.pr
     if requested == "auto":
         cuda_bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if cuda_bf16 else torch.float32
+    if requested == BF16_WHERE_NATIVE:
+        return torch.bfloat16 if native_bf16(device_type) else torch.float32
     if requested == "bf16" and device_type == "cpu" and not cpu_has_native_bf16():
         raise LayoutError(f"{setting}=bf16 on a CPU without native bf16 support (no AVX-512 "
                           f"BF16/AMX): it would run 30-90x slower than fp32; use {setting}=fp32")

@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerFast
 from forgeline.configs import Config, ConfigError
 from forgeline.configs.schema import PairsConfig
 from forgeline.eval.chat import end_of_turn_id, render_chat
-from forgeline.eval.lm import eval_precision, in_precision
+from forgeline.eval.lm import eval_precision, in_precision, say_precision
 from forgeline.model.hf import import_hf
 from forgeline.model.inference import load_from_checkpoint, pack_linears, stream_batch
 from forgeline.model.transformer import Transformer
@@ -66,7 +66,7 @@ def sampling_precision(pcfg: PairsConfig) -> str:
 def preflight_pairs(cfg: Config) -> None:
     """The precision suits this machine, and the base resolves, has a chat template to ask it
     through, and a context with room for a prompt beside a reply's budget."""
-    sampling_precision(cfg.pairs)
+    say_precision("pairs.precision", cfg.pairs.precision, sampling_precision(cfg.pairs))
     base = resolve_base(cfg)
     if not PreTrainedTokenizerFast.from_pretrained(str(base.tokenizer)).chat_template:
         raise ConfigError(f"the pairs stage asks the base {base.uri} its prompts through its chat template, "

@@ -4,6 +4,7 @@ evaluation asked in the eval stage's precision."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 import yaml
 
+from forgeline.configs import load_config
 from forgeline.configs.schema import LayoutError
-from forgeline.eval.lm import ForgelineLM
+from forgeline.eval.lm import ForgelineLM, eval_precision
 from forgeline.eval.scores import TaskItems
 from forgeline.flows.cli import main
 from forgeline.model.checkpoint.manager import MANIFEST_NAME, step_dir_name
@@ -20,7 +22,7 @@ from forgeline.model.parallel import mesh
 from forgeline.model.parallel.mesh import cpu_has_native_bf16
 from forgeline.model.training.callbacks import InTrainingEvalCallback
 from forgeline.tasks import compare
-from forgeline.tasks.evaluate import EvaluatedItems, preflight_eval
+from forgeline.tasks.evaluate import EvaluatedItems, preflight_eval, stage_precision
 from forgeline.tasks.train.job import preflight_train, rank_config_yaml
 from tests.conftest import debug_config, random_lm
 from tests.unit.test_eval_lm import request
@@ -67,7 +69,8 @@ def test_bf16_is_refused_before_any_work_on_a_cpu_without_native_support(
     tokenizer = str(data_root / "data" / "tokenizer")
     with pytest.raises(LayoutError, match="precision=bf16 on a CPU without native bf16.* use precision=fp32"):
         ForgelineLM(bundle=str(bundle), tokenizer=tokenizer, precision="bf16")
-    with pytest.raises(ValueError, match="precision=fp16: evaluation runs in auto, fp32 or bf16"):
+    with pytest.raises(ValueError, match="precision=fp16: evaluation runs in auto, bf16_where_native, fp32 "
+                                         "or bf16"):
         ForgelineLM(bundle=str(bundle), tokenizer=tokenizer, precision="fp16")
     with pytest.raises(LayoutError, match="use eval.precision=fp32"):
         preflight_eval(debug_config(tmp_path, "eval.precision=bf16"))
@@ -111,3 +114,21 @@ def test_runs_scored_in_another_precision_are_not_compared_item_by_item(
     monkeypatch.setattr(compare, "logged_items", lambda client, run_id: runs[run_id])
     assert compare.paired_against_first(None, ["fp32-run", "bf16-run"]) == (
         "bf16-run - fp32-run: not paired, scored in bf16 and fp32: the same item may be scored differently")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_where_native_is_bf16_on_a_cpu_that_has_it_and_fp32_on_one_that_has_not(
+        native: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The shipped SmolLM2 configs' precision: refused before any work (exit 2, `use
+    eval.precision=fp32`) on a CPU without native bf16 when it was `bf16`."""
+    monkeypatch.setattr(mesh, "cpu_has_native_bf16", lambda: native)
+    cfg = load_config("smollm2-sft.yaml")
+    assert cfg.eval.precision == "bf16_where_native"
+    with caplog.at_level(logging.INFO, logger="forgeline"):
+        preflight_eval(cfg)
+    expected = "bf16" if native else "fp32"
+    assert stage_precision(cfg.eval) == expected
+    assert f"eval.precision=bf16_where_native: {expected}, as this CPU has" in caplog.text
+    if not native:  # plain bf16 is still refused where it would crawl
+        with pytest.raises(LayoutError, match="eval.precision=bf16 on a CPU without native bf16"):
+            eval_precision("bf16", "cpu", "eval.precision")
