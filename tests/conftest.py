@@ -60,11 +60,13 @@ def no_process_left_behind() -> Iterator[None]:
         pytest.fail(report, pytrace=False)
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def local_dask_clusters_closed(no_process_left_behind: None) -> Iterator[None]:
     """A data build run in the test process keeps its local Dask cluster for the life of the
     process (tasks/data/executor.py), so that the next one need not start workers again: for the
-    session, then, closed at its end before `no_process_left_behind` looks."""
+    test file, then, closed at its end (before `no_process_left_behind` looks). Idle, its workers
+    and scheduler took ~6 % of a core for the rest of the session, more than starting them again
+    in the next file that builds."""
     yield
     from forgeline.tasks.data.executor import close_local_clusters
 
