@@ -509,8 +509,8 @@ def rerun_stage(args: argparse.Namespace) -> int:
     result, ended = run_flow(STAGE_FLOWS[stage.name], parameters, (stage,), cfg)
     from forgeline.flows.endings import stage_lines
 
-    print("\n".join(stage_lines(stage.name, result)))
-    print(ended)  # which stage ran or was cached; its MLflow run, linked
+    # What it made, then its flow run's message: whether it ran or was cached, and its MLflow run.
+    print("\n".join([*stage_lines(stage.name, result), *([ended] if ended else [])]))
     return 0
 
 

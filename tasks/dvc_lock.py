@@ -94,7 +94,7 @@ def why_not_described(name: str, cfg: Config, listed: dict[str, Any]) -> str | N
         return f"dvc.yaml has no stage {name}"
     params_file = params_file_of(listed[name])
     if params_file is None or dvc_stages(params_file, Paths(cfg)).get(name) != listed[name]:
-        return (f"dvc.yaml's stage {name} is not this run's (its paths, deps or params differ)")
+        return f"dvc.yaml's stage {name} is not this run's (its paths, deps or params differ)"
     described = load_config(params_file)
     keys = listed[name]["params"][0][params_file]
     differing = [key for key in keys if cfg.value(key) != described.value(key)]
@@ -104,13 +104,14 @@ def why_not_described(name: str, cfg: Config, listed: dict[str, Any]) -> str | N
     return None
 
 
-# Whether this process said why a stage was not recorded: the stages of one run share the reason
+# The stage this process first said was not recorded: the stages of one run share the reason
 # (another config's dvc.yaml), said once a run, not after each stage.
 _told_not_described: list[str] = []
 
 
 def tell_not_recorded(name: str, reason: str) -> None:
-    """Say once a process (a run) that dvc.lock does not record this run, and how to make it."""
+    """Say once a process (a run) that dvc.lock does not record this run, and how to make it; the
+    later stages' reasons go to the log file."""
     if _told_not_described:
         log.debug("dvc.lock: stage %s not recorded: %s", name, reason)
         return
