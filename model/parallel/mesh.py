@@ -63,8 +63,7 @@ def resolve_precision(requested: str, device_type: str, setting: str = "train.pr
     this machine; refuses bf16 where it would crawl (CPUs without native bf16 run bf16 matmuls
     30-90x slower than fp32)."""
     if requested == "auto":
-        cuda_bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if cuda_bf16 else torch.float32
+        return torch.bfloat16 if device_type == "cuda" and native_bf16(device_type) else torch.float32
     if requested == BF16_WHERE_NATIVE:
         return torch.bfloat16 if native_bf16(device_type) else torch.float32
     if requested == "bf16" and device_type == "cpu" and not cpu_has_native_bf16():
